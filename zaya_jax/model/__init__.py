@@ -1,0 +1,7 @@
+"""The ZAYA1 model in Flax NNX (spec: ../shared/spec/zaya1_architecture.md)."""
+
+from zaya_jax.model.config import ModelConfig
+from zaya_jax.model.router import BalancingBias
+from zaya_jax.model.transformer import ZayaForCausalLM, ZayaLayer
+
+__all__ = ["ModelConfig", "BalancingBias", "ZayaForCausalLM", "ZayaLayer"]

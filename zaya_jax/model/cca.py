@@ -1,0 +1,133 @@
+# Shape letters: B T D N K H J W (see zaya_jax/__init__.py); I = output dim of a grouped-conv head.
+"""Compressed Convolutional Attention (CCA), spec §2 "CCA projection" (arXiv 2510.04476).
+
+Differences from standard GQA attention, in order:
+- q and k are mixed over time by two causal convolutions (depthwise, then grouped per head)
+  and keep a residual path of averaged projections (`m = (q0 + k0_rep) / 2`);
+- values are half current-token, half previous-token ("delayed") projections, split by whole
+  kv heads;
+- q and k are L2-normalised to norm sqrt(H), keys scaled by a learned per-kv-head `temp`;
+- partial RoPE on the first `rotary_dim` dims, theta per layer type.
+
+Packed documents: the convolutions and the delayed value never read a token of another
+document; inputs before a document's first token count as zero, exactly as the reference
+treats positions before the sequence start (see ../shared/DESIGN.md).
+Matches: HF `ZayaCCAProjection`, `ZayaQKNorm`, `ZayaAttention`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.model.attention import dot_product_attention, shift_right, shifted_same_document
+from zaya_jax.model.config import ModelConfig
+from zaya_jax.model.layers import compute_dtype, normal, param, zeros
+from zaya_jax.model.rope import apply_rope
+
+
+class CCA(nnx.Module):
+  """One CCA attention block: `[B, T, D]` normalised input -> `[B, T, D]` output (before residual scaling)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None):
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    j = n + k
+    init = normal(cfg.initializer_range)
+    self.cfg = cfg
+    self.q_proj = param(rngs, init, (d, n, h), ("embed", "q_heads", "head_dim"))  # BTD,DNH->BTNH
+    self.k_proj = param(rngs, init, (d, k, h), ("embed", "kv_heads", "head_dim"))  # BTD,DKH->BTKH
+    self.v_proj_current = param(rngs, init, (d, k // 2, h), ("embed", "kv_heads", "head_dim"))
+    self.v_proj_delayed = param(rngs, init, (d, k // 2, h), ("embed", "kv_heads", "head_dim"))
+    # Depthwise conv over time: one filter of width W0 per channel (channel = (head j, dim h)).
+    self.conv_depthwise = param(rngs, init, (cfg.cca_time0, j, h), (None, "conv", "head_dim"))
+    self.conv_depthwise_bias = param(rngs, zeros, (j, h), ("conv", "head_dim"))
+    # Grouped conv over time: width W1, full H x H mixing inside each of the J heads.
+    self.conv_grouped = param(rngs, init, (cfg.cca_time1, j, h, h), (None, "conv", "head_dim", None))
+    self.conv_grouped_bias = param(rngs, zeros, (j, h), ("conv", "head_dim"))
+    self.temp = param(rngs, zeros, (k,), ("kv_heads",))  # key scale after QK-norm (HF init 0)
+    self.o_proj = param(rngs, init, (n, h, d), ("q_heads", "head_dim", "embed"))  # BTNH,NHD->BTD
+    if cfg.attention_bias:
+      self.q_bias = param(rngs, zeros, (n, h), ("q_heads", "head_dim"))
+      self.k_bias = param(rngs, zeros, (k, h), ("kv_heads", "head_dim"))
+      self.v_current_bias = param(rngs, zeros, (k // 2, h), ("kv_heads", "head_dim"))
+      self.v_delayed_bias = param(rngs, zeros, (k // 2, h), ("kv_heads", "head_dim"))
+      self.o_bias = param(rngs, zeros, (d,), ("embed",))
+
+  def _bias(self, name: str, dtype):
+    return getattr(self, name)[...].astype(dtype) if self.cfg.attention_bias else 0
+
+  def causal_conv(self, c_BTJH: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
+    """Depthwise (width W0) then grouped (width W1) causal convolution of `[B, T, J, H]`.
+
+    Output tap j of the grouped conv reads the depthwise output at `t - (W1-1-j)`, which reads
+    inputs at `t - (W1-1-j) - (W0-1-i)`. Each such input is masked to the document of `t`; the
+    depthwise bias enters every tap, as in the reference's zero-padded conv.
+    """
+    w0, w1 = self.cfg.cca_time0, self.cfg.cca_time1
+    dtype = c_BTJH.dtype
+    w_dw = self.conv_depthwise[...].astype(dtype)  # [W0, J, H]
+    w_g = self.conv_grouped[...].astype(dtype)  # [W1, J, H, I]
+    shifted = []
+    for s in range(w0 + w1 - 1):
+      keep = shifted_same_document(segment_ids_BT, s)[:, :, None, None]
+      shifted.append(jnp.where(keep, shift_right(c_BTJH, s), 0).astype(dtype))
+    out_BTJI = self.conv_grouped_bias[...].astype(dtype)
+    for tap_g in range(w1):
+      d_BTJH = self.conv_depthwise_bias[...].astype(dtype)
+      for tap_d in range(w0):
+        d_BTJH = d_BTJH + w_dw[tap_d] * shifted[(w0 - 1 - tap_d) + (w1 - 1 - tap_g)]
+      out_BTJI = out_BTJI + jnp.einsum("BTJH,JHI->BTJI", d_BTJH, w_g[tap_g])
+    return out_BTJI
+
+  def qkv(self, a_BTD: jax.Array, segment_ids_BT: jax.Array):
+    """CCA projection: returns q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, H]` (before QK-norm)."""
+    cfg = self.cfg
+    dtype = compute_dtype(cfg.dtype)
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t, _ = a_BTD.shape
+    # Padding tokens feed zeros forward (HF multiplies by the 2-D padding mask).
+    a_BTD = jnp.where((segment_ids_BT != 0)[..., None], a_BTD, 0).astype(dtype)
+    q0_BTNH = jnp.einsum("BTD,DNH->BTNH", a_BTD, self.q_proj[...].astype(dtype)) + self._bias("q_bias", dtype)
+    k0_BTKH = jnp.einsum("BTD,DKH->BTKH", a_BTD, self.k_proj[...].astype(dtype)) + self._bias("k_bias", dtype)
+    # Residual means: m = (q0 + k0 repeated to the query heads) / 2; the key path averages m
+    # over each group of G query heads.
+    m_BTKGH = (q0_BTNH.reshape(b, t, k, n // k, h) + k0_BTKH[:, :, :, None, :]) * 0.5
+    conv_BTJH = self.causal_conv(jnp.concatenate([q0_BTNH, k0_BTKH], axis=2), segment_ids_BT)
+    q_BTNH = conv_BTJH[:, :, :n] + m_BTKGH.reshape(b, t, n, h)
+    k_BTKH = conv_BTJH[:, :, n:] + jnp.mean(m_BTKGH, axis=3)
+    # Values: current-token heads, then previous-token heads (whole kv heads each).
+    v_cur = jnp.einsum("BTD,DKH->BTKH", a_BTD, self.v_proj_current[...].astype(dtype))
+    v_cur = v_cur + self._bias("v_current_bias", dtype)
+    v_del = jnp.einsum("BTD,DKH->BTKH", a_BTD, self.v_proj_delayed[...].astype(dtype))
+    v_del_bias = self._bias("v_delayed_bias", dtype)
+    v_del = v_del + v_del_bias
+    # A document's first token sees the delayed projection of a zero vector (its bias).
+    prev_ok = shifted_same_document(segment_ids_BT, 1)[:, :, None, None]
+    v_del = jnp.where(prev_ok, shift_right(v_del, 1), jnp.zeros_like(v_del) + v_del_bias)
+    v_BTKH = jnp.concatenate([v_cur, v_del], axis=2)
+    return q_BTNH, k_BTKH, v_BTKH
+
+  def qk_norm(self, q_BTNH: jax.Array, k_BTKH: jax.Array):
+    """`x * sqrt(H) / max(||x||, eps)` (eps = machine epsilon of the compute dtype); keys times `temp`."""
+    dtype = q_BTNH.dtype
+    eps = jnp.finfo(dtype).eps
+    scale = self.cfg.head_dim ** 0.5
+
+    def norm(x):
+      x32 = x.astype(jnp.float32)
+      return x32 * (scale / jnp.maximum(jnp.linalg.norm(x32, axis=-1, keepdims=True), eps))
+
+    k = norm(k_BTKH) * self.temp[...][:, None]
+    return norm(q_BTNH).astype(dtype), k.astype(dtype)
+
+  def __call__(self, a_BTD: jax.Array, segment_ids_BT: jax.Array, cos_BTP: jax.Array,
+               sin_BTP: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """Args: `a_BTD` normed input; `segment_ids_BT` int32 (0 = pad); RoPE tables float32
+    `[B, T, rotary_dim]`; `mask_BTS` bool attention mask. Returns `[B, T, D]` in the compute dtype."""
+    dtype = compute_dtype(self.cfg.dtype)
+    q, k, v = self.qkv(a_BTD, segment_ids_BT)
+    q, k = self.qk_norm(q, k)
+    q, k = apply_rope(q, cos_BTP, sin_BTP), apply_rope(k, cos_BTP, sin_BTP)
+    o_BTNH = dot_product_attention(q, k, v, mask_BTS, scale=self.cfg.head_dim ** -0.5)
+    return jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(dtype)) + self._bias("o_bias", dtype)

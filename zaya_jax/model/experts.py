@@ -1,0 +1,37 @@
+# Shape letters: M D F E (see zaya_jax/__init__.py); E may be the local experts under EP.
+"""SwiGLU experts on rows already sorted by expert: `y = (silu(x Wg) * (x Wu)) Wd`.
+
+Compute only: the caller sorts tokens and passes `group_sizes [E]`. Rows past
+`sum(group_sizes)` (e.g. skip-class tokens sorted last) produce zeros. Dropless: each row is
+multiplied by its own expert only (`jax.lax.ragged_dot`), never a dense all-experts product.
+Matches: HF `ZayaExperts` (`gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.model.config import ModelConfig
+from zaya_jax.model.layers import compute_dtype, normal, param
+
+
+class Experts(nnx.Module):
+  """E SwiGLU experts with weights `w_gate [E, D, F]`, `w_up [E, D, F]`, `w_down [E, F, D]`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None):
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    init = normal(cfg.initializer_range)
+    self.dtype = compute_dtype(cfg.dtype)
+    self.w_gate = param(rngs, init, (e, d, f), ("experts", "embed", "expert_mlp"))
+    self.w_up = param(rngs, init, (e, d, f), ("experts", "embed", "expert_mlp"))
+    self.w_down = param(rngs, init, (e, f, d), ("experts", "expert_mlp", "embed"))
+
+  def __call__(self, x_MD: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+    """`x_MD` rows sorted by expert, `group_sizes_E` int32 -> `[M, D]` in the compute dtype."""
+    x = x_MD.astype(self.dtype)
+    gate_MF = jax.lax.ragged_dot(x, self.w_gate[...].astype(self.dtype), group_sizes_E)
+    up_MF = jax.lax.ragged_dot(x, self.w_up[...].astype(self.dtype), group_sizes_E)
+    h_MF = jax.nn.silu(gate_MF) * up_MF
+    return jax.lax.ragged_dot(h_MF, self.w_down[...].astype(self.dtype), group_sizes_E)

@@ -1,0 +1,69 @@
+# Shape letters: M D R X E (see zaya_jax/__init__.py).
+"""The ZAYA1 router, spec §2 "ZAYA1 router" (paper §2; HF `ZayaRouter`, `ZayaRouterMLP`).
+
+- Down-projection `D -> R`, then exponential depth averaging (EDA): `r += r_prev * scale`
+  with `r_prev` the previous layer's `r` (after its own EDA). Layer 0 receives `r_prev = 0`,
+  so its `router_states_scale` has no effect; it exists only to keep the layer stack uniform
+  and is dropped at Hugging Face export.
+- Router MLP over `r`: RMSNorm -> fc1 -> GELU -> fc2 -> GELU -> out_proj, X = E + 1 classes;
+  the last class is the skip class (the token bypasses the experts).
+- Top-1 choice by `softmax(logits) + balancing_biases`; the gate is the *unbiased*
+  probability of the chosen class, the only path by which the router learns.
+- The router always computes in float32: it is tiny and a routing decision must not flip
+  with the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.model.config import ModelConfig
+from zaya_jax.model.layers import RMSNorm, normal, ones, param, zeros
+
+
+class BalancingBias(nnx.Variable):
+  """Router balancing biases `[X]`, float32: model state set by a load-balancing controller,
+  never by gradients (excluded from `nnx.Param` filters), saved in checkpoints and exported
+  to HF as `mlp.gate.balancing_biases`. Init 0 for experts and -1 for the skip class."""
+
+
+class Router(nnx.Module):
+  """ZAYA1 router for one layer.
+
+  `__call__(h_MD, r_prev_MR)` returns:
+    class_M  int32 in [0, E] (E = skip),
+    gate_M   float32 = softmax(logits)[class] (differentiable, not renormalised),
+    r_MR     float32 router state after EDA, handed to the next layer,
+    probs_MX float32 router probabilities (for metrics and auxiliary losses).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None):
+    d, r, x = cfg.hidden_size, cfg.router_hidden_size, cfg.num_router_classes
+    init = normal(cfg.initializer_range)
+    self.down_proj = param(rngs, init, (d, r), ("embed", "router"))  # MD,DR->MR
+    self.down_bias = param(rngs, zeros, (r,), ("router",))
+    self.router_states_scale = param(rngs, ones, (r,), ("router",))  # EDA scale (unused on layer 0)
+    self.norm = RMSNorm(r, cfg.rms_norm_eps, name="router", rngs=rngs)
+    self.fc1 = param(rngs, init, (r, r), ("router", None))
+    self.fc1_bias = param(rngs, zeros, (r,), (None,))
+    self.fc2 = param(rngs, init, (r, r), ("router", None))
+    self.fc2_bias = param(rngs, zeros, (r,), (None,))
+    self.out_proj = param(rngs, init, (r, x), ("router", "classes"))  # MR,RX->MX
+    self.balancing_biases = BalancingBias(
+        jnp.zeros((x,), jnp.float32).at[-1].set(-1.0), out_sharding=("classes",), eager_sharding=False)
+
+  def __call__(self, h_MD: jax.Array, r_prev_MR: jax.Array):
+    h = h_MD.astype(jnp.float32)
+    r_MR = h @ self.down_proj[...] + self.down_bias[...]
+    r_MR = r_MR + r_prev_MR * self.router_states_scale[...]
+    z = self.norm(r_MR)
+    z = jax.nn.gelu(z @ self.fc1[...] + self.fc1_bias[...], approximate=False)
+    z = jax.nn.gelu(z @ self.fc2[...] + self.fc2_bias[...], approximate=False)
+    logits_MX = z @ self.out_proj[...]
+    probs_MX = jax.nn.softmax(logits_MX, axis=-1)
+    biased = jax.lax.stop_gradient(probs_MX) + self.balancing_biases[...]
+    class_M = jnp.argmax(biased, axis=-1).astype(jnp.int32)
+    gate_M = jnp.take_along_axis(probs_MX, class_M[:, None], axis=-1)[:, 0]
+    return class_M, gate_M, r_MR, probs_MX
