@@ -1,0 +1,273 @@
+"""Grain pipelines: documents -> tokens -> packed rows of T tokens -> batches of B rows.
+
+# Shapes: B batch rows (per process), T sequence length (seq_len).
+
+Every batch is a dict of numpy arrays, all [B, T]:
+  inputs       int32    token ids
+  targets      int32    the next token of the same document; pad_id on padding
+  segment_ids  int32    1, 2, ... per document piece within the row; 0 = padding
+  positions    int32    position inside the document piece, restarting at 0 per segment
+  loss_mask    float32  1.0 where `targets` is a real next token of the same document
+
+How documents become rows:
+  * A document is tokenized as [bos] + tokens + [eos] (per `add_bos` / `add_eos`) and
+    shifted *before* packing: inputs = ids[:-1], targets = ids[1:]. So every input token
+    carries its own document's next token, there are no cross-document pairs to mask, and
+    loss_mask is simply segment_ids > 0. (The final eos is a target, never an input.)
+  * grain's `ConcatThenSplitIterDataset` concatenates these pairs and cuts them every T
+    tokens, with no padding except at the very end of a finite (eval) stream. A document
+    longer than the room left in a row is split; its continuation opens the next row as
+    segment 1 with positions restarting at 0 (attention is segment-masked, so the piece
+    cannot see its earlier context anyway; the target of the last token of the first piece
+    is still the true next token).
+  * Training repeats forever; each epoch is reshuffled (grain folds the epoch into the
+    shuffle seed). The iterator state is a few integers: restoring replays at most one
+    partially packed row, so resume is exact and cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import flags
+import grain
+import numpy as np
+
+from zaya_jax.data import sources
+from zaya_jax.data.config import DataConfig
+from zaya_jax.data.tokenizer import Tokenizer, load_tokenizer
+
+# grain reads documents in threads; tokenization is GIL-bound Python (byte tokenizer) or
+# Rust that releases the GIL (HF), so a couple of threads and a short read-ahead suffice.
+# The buffer holds whole tokenized documents (a stdlib file is ~20k tokens), so keep it small.
+_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeDocument:
+  """{"text": str} -> {"inputs": [n] int32, "targets": [n] int32}, n = len(ids) - 1.
+
+  ids = [bos] + tokenizer.encode(text) + [eos]; inputs = ids[:-1], targets = ids[1:].
+  Returns None for documents with fewer than 2 ids (nothing to predict); grain drops them.
+  """
+
+  tokenizer: Tokenizer
+  add_bos: bool
+  add_eos: bool
+
+  def __call__(self, document: dict[str, str]) -> dict[str, np.ndarray] | None:
+    ids = self.tokenizer.encode(document["text"])
+    if self.add_bos:
+      ids = [self.tokenizer.bos_id, *ids]
+    if self.add_eos:
+      ids.append(self.tokenizer.eos_id)
+    if len(ids) < 2:
+      return None
+    ids = np.asarray(ids, dtype=np.int32)
+    return {"inputs": ids[:-1], "targets": ids[1:]}
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalizeBatch:
+  """grain's packed batch -> the contract's batch (see the module docstring).
+
+  Renames `inputs_segment_ids` / `inputs_positions` (grain's names for the packing
+  metadata), writes pad_id where segment_ids == 0, and adds loss_mask.
+  """
+
+  pad_id: int
+
+  def __call__(self, packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    segment_ids_BT = packed["inputs_segment_ids"].astype(np.int32)
+    is_token_BT = segment_ids_BT > 0
+    return {
+        "inputs": np.where(is_token_BT, packed["inputs"], self.pad_id).astype(np.int32),
+        "targets": np.where(is_token_BT, packed["targets"], self.pad_id).astype(np.int32),
+        "segment_ids": segment_ids_BT,
+        "positions": np.where(is_token_BT, packed["inputs_positions"], 0).astype(np.int32),
+        "loss_mask": is_token_BT.astype(np.float32),
+    }
+
+
+def _slices_as_tuples(state):
+  """Copy of an iterator state with every `remainder_slices` entry turned back into a tuple.
+
+  grain 0.2.18's ConcatThenSplit compares slices with `!= (-1, -1)`; after the JSON round
+  trip of `grain.checkpoint` they are lists, `[-1, -1] != (-1, -1)`, and a state saved at a
+  row boundary would restore with the next document silently emptied.
+  """
+  if isinstance(state, dict):
+    return {
+        key: ({k: tuple(v) for k, v in value.items()} if key == "remainder_slices"
+              else _slices_as_tuples(value))
+        for key, value in state.items()
+    }
+  if isinstance(state, (list, tuple)):
+    return type(state)(_slices_as_tuples(value) for value in state)
+  return state
+
+
+class _JsonSafeStateIterator(grain.DatasetIterator):
+  """Passes elements and state through; repairs JSON-restored state (`_slices_as_tuples`)."""
+
+  def __next__(self):
+    return next(self._parent)
+
+  def get_state(self):
+    return self._parent.get_state()
+
+  def set_state(self, state):
+    self._parent.set_state(_slices_as_tuples(state))
+
+
+def _split_for_process(
+    cfg: DataConfig, *, split: str, process_index: int, process_count: int
+) -> list[sources.DocumentRef]:
+  """This process's documents of one split: refs[process_index::process_count]."""
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
+  train, held_out = sources.split_documents(sources.list_documents(cfg), cfg.eval_fraction)
+  refs = train if split == "train" else held_out
+  if not refs:
+    raise ValueError(
+        f"data.eval_fraction={cfg.eval_fraction} leaves the {split} split of "
+        f"data.source={cfg.source!r} empty; "
+        + ("set data.eval_fraction > 0 or add documents." if split == "eval" else
+           "lower data.eval_fraction or add documents.")
+    )
+  shard = refs[process_index::process_count]
+  if not shard:
+    raise ValueError(
+        f"data.source={cfg.source!r} has {len(refs)} {split} documents, fewer than "
+        f"process_count={process_count}; every process needs at least one. Add documents."
+    )
+  return shard
+
+
+def _packed_batches(
+    documents: grain.MapDataset,
+    tokenizer: Tokenizer,
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    batch_size: int,
+    drop_remainder: bool,
+) -> grain.IterDataset:
+  """documents -> TokenizeDocument -> ConcatThenSplit(T) -> batch(B) -> FinalizeBatch."""
+  if seq_len < 1 or batch_size < 1:
+    raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must both be >= 1.")
+  tokens = documents.map(TokenizeDocument(tokenizer, cfg.add_bos, cfg.add_eos))
+  rows = grain.experimental.ConcatThenSplitIterDataset(
+      tokens.to_iter_dataset(_READ_OPTIONS),
+      length_struct={"inputs": seq_len, "targets": seq_len},
+  )
+  return rows.batch(batch_size, drop_remainder=drop_remainder).map(
+      FinalizeBatch(tokenizer.pad_id)
+  )
+
+
+def make_train_iterator(
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.DatasetIterator:
+  """Infinite, deterministic, checkpointable iterator over packed training batches.
+
+  Args:
+    cfg: the data config.
+    seq_len: T, tokens per row.
+    batch_size: B, rows per batch *on this process*.
+    seed: training seed; the document order is a function of (cfg.shuffle_seed, seed).
+    process_index, process_count: this process reads only the train documents
+      [process_index::process_count] (in corpus order, before shuffling), so processes see
+      disjoint documents.
+
+  Returns:
+    A grain `DatasetIterator` yielding dicts of [B, T] numpy arrays (module docstring).
+    `it.get_state()` / `it.set_state(state)` and `grain.checkpoint.CheckpointSave(it)` /
+    `CheckpointRestore(it)` resume exactly. With cfg.num_workers > 0 batches are built in
+    that many worker processes (a different, equally deterministic order than in-process).
+
+  Raises:
+    ValueError: naming the data.* field at fault (empty corpus or split, bad tokenizer).
+  """
+  tokenizer = load_tokenizer(cfg)
+  refs = _split_for_process(
+      cfg, split="train", process_index=process_index, process_count=process_count
+  )
+  shuffle_seed = int(np.random.SeedSequence([cfg.shuffle_seed, seed]).generate_state(1)[0])
+  documents = (
+      grain.MapDataset.source(sources.DocumentSource(refs, cfg.text_field))
+      .seed(shuffle_seed)
+      .shuffle()
+      .repeat(None)  # infinite; each epoch reshuffled
+  )
+  batches = _packed_batches(
+      documents, tokenizer, cfg, seq_len=seq_len, batch_size=batch_size, drop_remainder=True
+  )
+  if cfg.num_workers > 0:
+    if not flags.FLAGS.is_parsed():  # grain reads its absl flags in the worker processes.
+      raise ValueError(
+          f"data.num_workers={cfg.num_workers} needs parsed absl flags; start the program "
+          "with absl.app.run(main) (or call absl.flags.FLAGS.mark_as_parsed()), or set "
+          "data.num_workers=0."
+      )
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+  return _JsonSafeStateIterator(iter(batches))
+
+
+def make_eval_batches(
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
+  """The first `max_batches` batches of the held-out split, unshuffled, read in-process.
+
+  The last batch is padded to B rows with rows of padding (loss_mask 0). Fewer than
+  `max_batches` batches come back if this process's eval documents run out; with several
+  processes the counts may then differ, so take the minimum across processes (or choose
+  `max_batches` small enough) before a collective eval step.
+
+  Returns:
+    A list of dicts of [B, T] numpy arrays, the same format as training batches.
+
+  Raises:
+    ValueError: naming data.eval_fraction if the eval split is empty.
+  """
+  if max_batches < 1:
+    raise ValueError(f"max_batches={max_batches} must be >= 1.")
+  tokenizer = load_tokenizer(cfg)
+  refs = _split_for_process(
+      cfg, split="eval", process_index=process_index, process_count=process_count
+  )
+  documents = grain.MapDataset.source(sources.DocumentSource(refs, cfg.text_field))
+  batches = []
+  for batch in _packed_batches(
+      documents, tokenizer, cfg, seq_len=seq_len, batch_size=batch_size, drop_remainder=False
+  ):
+    batches.append(_pad_rows(batch, batch_size, tokenizer.pad_id))
+    if len(batches) == max_batches:
+      break
+  return batches
+
+
+def _pad_rows(batch: dict[str, np.ndarray], batch_size: int, pad_id: int) -> dict:
+  """Appends padding rows (pad_id tokens, segment 0, loss_mask 0) up to `batch_size`."""
+  missing = batch_size - batch["inputs"].shape[0]
+  if missing == 0:
+    return batch
+  fill = {"inputs": pad_id, "targets": pad_id}
+  return {
+      key: np.concatenate(
+          [value, np.full((missing, value.shape[1]), fill.get(key, 0), dtype=value.dtype)]
+      )
+      for key, value in batch.items()
+  }

@@ -1,0 +1,128 @@
+"""Tokenizers: the built-in byte-level one and local Hugging Face tokenizer.json files.
+
+Both follow the `Tokenizer` protocol. `encode` never adds special tokens: the pipeline adds
+bos/eos itself (per `DataConfig.add_bos` / `add_eos`), whatever the tokenizer's own
+post-processor would do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import tokenizers
+
+from zaya_jax.data.config import DataConfig
+
+# Special-token spellings tried in order. Gemma (ZAYA1's tokenizer) comes first; the rest
+# cover Llama/SentencePiece, GPT-2/Qwen and BERT-style vocabularies.
+_PAD_TOKENS = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|finetune_right_pad_id|>")
+_BOS_TOKENS = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
+_EOS_TOKENS = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "[SEP]")
+
+
+class Tokenizer(Protocol):
+  """What the data pipeline and the trainer need from a tokenizer."""
+
+  vocab_size: int  # V: every id is in [0, V)
+  pad_id: int
+  bos_id: int
+  eos_id: int
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text`, without any special tokens."""
+    ...
+
+  def decode(self, ids: list[int]) -> str:
+    """Text of `ids`; special tokens are dropped."""
+    ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as tokens: pad 0, bos 1, eos 2, byte b -> b + 3 (V = 259).
+
+  Needs no files, so tests and the stdlib smoke corpus run anywhere.
+  """
+
+  pad_id = 0
+  bos_id = 1
+  eos_id = 2
+  num_special = 3
+  vocab_size = 256 + num_special
+
+  def encode(self, text: str) -> list[int]:
+    return [b + self.num_special for b in text.encode("utf-8")]
+
+  def decode(self, ids: list[int]) -> str:
+    data = bytes(i - self.num_special for i in ids if self.num_special <= i < self.vocab_size)
+    return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  """A local Hugging Face `tokenizer.json`, loaded with the `tokenizers` library.
+
+  Attributes:
+    vocab_size: `tokenizer.get_vocab_size()` (added tokens included).
+    pad_id, bos_id, eos_id: ids of the first spellings found in `_PAD_TOKENS`,
+      `_BOS_TOKENS`, `_EOS_TOKENS` ("<pad>", "<bos>", "<eos>" for Gemma). Without a pad
+      token, pad_id = eos_id (padding is always masked out of the loss); without a bos
+      token, bos_id = eos_id (the GPT-2 convention of one `<|endoftext|>` separator).
+  """
+
+  def __init__(self, path: str):
+    """Loads `path`.
+
+    Raises:
+      ValueError: naming `data.tokenizer` if the file is missing or unreadable, or if it has
+        no recognisable eos (nor bos) token.
+    """
+    if not os.path.isfile(path):
+      raise ValueError(
+          f"data.tokenizer={path!r} is neither 'byte' nor an existing file; give the path of "
+          "a local Hugging Face tokenizer.json (nothing is downloaded)."
+      )
+    try:
+      self._tokenizer = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON.
+      raise ValueError(
+          f"data.tokenizer={path!r} could not be read as a Hugging Face tokenizer.json: {e}"
+      ) from e
+    self.path = path
+    self.vocab_size = self._tokenizer.get_vocab_size()
+    pad_id = self._find(_PAD_TOKENS)
+    bos_id = self._find(_BOS_TOKENS)
+    eos_id = self._find(_EOS_TOKENS)
+    if eos_id is None:
+      eos_id = bos_id  # A single document-separator token serves both roles.
+    if eos_id is None:
+      raise ValueError(
+          f"data.tokenizer={path!r} has none of the special tokens {_EOS_TOKENS + _BOS_TOKENS}"
+          "; add an '<eos>' (and '<bos>', '<pad>') token to the tokenizer.json."
+      )
+    self.eos_id = eos_id
+    self.bos_id = eos_id if bos_id is None else bos_id
+    self.pad_id = eos_id if pad_id is None else pad_id
+
+  def _find(self, spellings: tuple[str, ...]) -> int | None:
+    for token in spellings:
+      token_id = self._tokenizer.token_to_id(token)
+      if token_id is not None:
+        return token_id
+    return None
+
+  def encode(self, text: str) -> list[int]:
+    return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: list[int]) -> str:
+    return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(cfg: DataConfig) -> Tokenizer:
+  """The tokenizer named by `cfg.tokenizer`: "byte" or a tokenizer.json path.
+
+  Raises:
+    ValueError: naming `data.tokenizer` if the file cannot be used (see `HFTokenizer`).
+  """
+  if cfg.tokenizer == "byte":
+    return ByteTokenizer()
+  return HFTokenizer(cfg.tokenizer)
