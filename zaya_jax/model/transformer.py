@@ -54,10 +54,10 @@ class ZayaLayer(nnx.Module):
 class ZayaForCausalLM(nnx.Module):
   """ZAYA1 causal language model with tied embeddings.
 
-  `model(input_ids_BT, segment_ids_BT=None, positions_BT=None, return_aux=False)`:
-    input_ids_BT   int32 `[B, T]`;
-    segment_ids_BT int32 `[B, T]`, 1, 2, ... per packed document, 0 = padding (default: all 1);
-    positions_BT   int32 `[B, T]` RoPE positions (default: position inside each document).
+  `model(input_ids, segment_ids=None, positions=None, return_aux=False)`:
+    input_ids    int32 `[B, T]`;
+    segment_ids  int32 `[B, T]`, 1, 2, ... per packed document, 0 = padding (default: all 1);
+    positions    int32 `[B, T]` RoPE positions (default: position inside each document).
   Returns float32 logits `[B, T, V]`, and with `return_aux=True` also
   `{"expert_counts": float32 [L, X]}` (non-padding tokens routed to each class per layer).
   """
@@ -79,8 +79,9 @@ class ZayaForCausalLM(nnx.Module):
     if cfg.lm_head_bias:
       self.lm_head_bias = param(rngs, zeros, (cfg.vocab_size,), ("vocab",))
 
-  def __call__(self, input_ids_BT, segment_ids_BT=None, positions_BT=None, *, return_aux=False):
+  def __call__(self, input_ids, segment_ids=None, positions=None, *, return_aux=False):
     cfg = self.cfg
+    input_ids_BT, segment_ids_BT, positions_BT = input_ids, segment_ids, positions
     input_ids_BT = jnp.asarray(input_ids_BT, jnp.int32)
     if input_ids_BT.ndim != 2:
       raise ValueError(f"input_ids must be int [B, T], got shape {input_ids_BT.shape}")
