@@ -47,6 +47,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of matmuls (params, residual, norms, softmax stay f32)
   scan_layers: bool = True  # run layers with nnx.scan (compile time independent of depth)
   remat: bool = False  # rematerialise each layer in the backward pass
+  gmm_impl: str = "auto"  # experts' grouped matmul: zaya_jax.ops.GMM_IMPLS ("auto" | "ragged_dot" | "tiled")
   pad_token_id: int = 0
   bos_token_id: int = 2
   eos_token_id: int = 106
@@ -81,6 +82,8 @@ class ModelConfig:
            "be an even integer in (0, head_dim]")
     if self.skip_mode not in SKIP_MODES:
       fail("skip_mode", f"{self.skip_mode!r}; must be one of {SKIP_MODES}")
+    if self.gmm_impl not in ("auto", "ragged_dot", "tiled"):
+      fail("gmm_impl", f"{self.gmm_impl!r}; must be one of ('auto', 'ragged_dot', 'tiled')")
     if self.dtype not in DTYPES:
       fail("dtype", f"{self.dtype!r}; must be one of {DTYPES}")
 

@@ -3,7 +3,8 @@
 
 Compute only: the caller sorts tokens and passes `group_sizes [E]`. Rows past
 `sum(group_sizes)` (e.g. skip-class tokens sorted last) produce zeros. Dropless: each row is
-multiplied by its own expert only (`jax.lax.ragged_dot`), never a dense all-experts product.
+multiplied by its own expert only (`ops.grouped_matmul`: `jax.lax.ragged_dot` or a tiled
+equivalent, chosen by `ModelConfig.gmm_impl`), never a dense all-experts product.
 Matches: HF `ZayaExperts` (`gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`).
 """
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zaya_jax import ops
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.layers import compute_dtype, normal, param
 
@@ -24,6 +26,7 @@ class Experts(nnx.Module):
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     init = normal(cfg.initializer_range)
     self.dtype = compute_dtype(cfg.dtype)
+    self.gmm_impl = cfg.gmm_impl
     self.w_gate = param(rngs, init, (e, d, f), ("experts", "embed", "expert_mlp"))
     self.w_up = param(rngs, init, (e, d, f), ("experts", "embed", "expert_mlp"))
     self.w_down = param(rngs, init, (e, f, d), ("experts", "expert_mlp", "embed"))
@@ -31,7 +34,6 @@ class Experts(nnx.Module):
   def __call__(self, x_MD: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
     """`x_MD` rows sorted by expert, `group_sizes_E` int32 -> `[M, D]` in the compute dtype."""
     x = x_MD.astype(self.dtype)
-    gate_MF = jax.lax.ragged_dot(x, self.w_gate[...].astype(self.dtype), group_sizes_E)
-    up_MF = jax.lax.ragged_dot(x, self.w_up[...].astype(self.dtype), group_sizes_E)
-    h_MF = jax.nn.silu(gate_MF) * up_MF
-    return jax.lax.ragged_dot(h_MF, self.w_down[...].astype(self.dtype), group_sizes_E)
+    gmm = lambda a, w: ops.grouped_matmul(a, w[...].astype(self.dtype), group_sizes_E, self.gmm_impl)
+    h_MF = jax.nn.silu(gmm(x, self.w_gate)) * gmm(x, self.w_up)
+    return gmm(h_MF, self.w_down)
