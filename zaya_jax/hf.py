@@ -45,16 +45,16 @@ HF_TABLE: tuple[Rule, ...] = (
     Rule("layers.self_attn.k_proj", _QKV + "k_proj.weight", "linear"),
     Rule("layers.self_attn.v_proj_current", _QKV + "v_proj_current.weight", "linear"),
     Rule("layers.self_attn.v_proj_delayed", _QKV + "v_proj_delayed.weight", "linear"),
-    Rule("layers.self_attn.q_bias", _QKV + "q_proj.bias", "copy"),
-    Rule("layers.self_attn.k_bias", _QKV + "k_proj.bias", "copy"),
-    Rule("layers.self_attn.v_current_bias", _QKV + "v_proj_current.bias", "copy"),
-    Rule("layers.self_attn.v_delayed_bias", _QKV + "v_proj_delayed.bias", "copy"),
+    Rule("layers.self_attn.q_bias", _QKV + "q_proj.bias", "flat"),
+    Rule("layers.self_attn.k_bias", _QKV + "k_proj.bias", "flat"),
+    Rule("layers.self_attn.v_current_bias", _QKV + "v_proj_current.bias", "flat"),
+    Rule("layers.self_attn.v_delayed_bias", _QKV + "v_proj_delayed.bias", "flat"),
     Rule("layers.self_attn.conv_depthwise", _QKV + "conv_qk_depthwise.weight", "conv_depthwise"),
-    Rule("layers.self_attn.conv_depthwise_bias", _QKV + "conv_qk_depthwise.bias", "copy"),
+    Rule("layers.self_attn.conv_depthwise_bias", _QKV + "conv_qk_depthwise.bias", "flat"),
     Rule("layers.self_attn.conv_grouped", _QKV + "conv_qk_grouped.weight", "conv_grouped"),
-    Rule("layers.self_attn.conv_grouped_bias", _QKV + "conv_qk_grouped.bias", "copy"),
+    Rule("layers.self_attn.conv_grouped_bias", _QKV + "conv_qk_grouped.bias", "flat"),
     Rule("layers.self_attn.temp", _ATTN + "qk_norm.temp", "copy"),
-    Rule("layers.self_attn.o_proj", _ATTN + "o_proj.weight", "linear"),
+    Rule("layers.self_attn.o_proj", _ATTN + "o_proj.weight", "linear_out"),
     Rule("layers.self_attn.o_bias", _ATTN + "o_proj.bias", "copy"),
     *(Rule(f"layers.post_attention_residual_scale.{n}", f"model.layers.{{i}}.post_attention_residual_scale.{n}", "copy") for n in _RS),
     Rule("layers.post_attention_layernorm.weight", "model.layers.{i}.post_attention_layernorm.weight", "copy"),
@@ -74,15 +74,43 @@ HF_TABLE: tuple[Rule, ...] = (
     *(Rule(f"layers.post_mlp_residual_scale.{n}", f"model.layers.{{i}}.post_mlp_residual_scale.{n}", "copy") for n in _RS),
 )
 
+# Transform kinds: copy (same shape), flat (HF 1-D -> our [heads, H]), linear (HF [out, in] ->
+# ours [in, *out]), linear_out (HF [out, in] -> ours [*in, out]), conv_depthwise, conv_grouped,
+# experts_gate / experts_up (halves of gate_up_proj), experts_down; see _hf_shape / _to_ours.
+
 # Keys the HF checkpoint may hold that carry no information for us.
 _IGNORED_HF_KEYS = ("lm_head.weight",)  # tied to model.embed_tokens.weight
 
 
-def _to_ours(kind: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-  """One HF tensor (one layer) -> our layout of `shape` (without the L axis)."""
+def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The HF tensor shape that converts to our `shape` (one layer) under `kind`."""
+  size = int(np.prod(shape))
   if kind == "copy":
+    return shape
+  if kind == "flat":
+    return (size,)
+  if kind == "linear":  # ours [in, *out]
+    return (size // shape[0], shape[0])
+  if kind == "linear_out":  # ours [*in, out]
+    return (shape[-1], size // shape[-1])
+  if kind == "conv_depthwise":  # ours [W0, J, H]
+    return (shape[1] * shape[2], 1, shape[0])
+  if kind == "conv_grouped":  # ours [W1, J, H_in, H_out]
+    return (shape[1] * shape[3], shape[2], shape[0])
+  if kind in ("experts_gate", "experts_up"):  # ours [E, D, F]
+    return (shape[0], 2 * shape[2], shape[1])
+  if kind == "experts_down":  # ours [E, F, D]
+    return (shape[0], shape[2], shape[1])
+  raise ValueError(f"unknown transform kind {kind!r}")
+
+
+def _to_ours(kind: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+  """One HF tensor (one layer, shape `_hf_shape(kind, shape)`) -> our layout of `shape`."""
+  if kind in ("copy", "flat"):
     return w.reshape(shape)
-  if kind == "linear":  # [out, in] -> [in, *out_dims] or [*in_dims, out]
+  if kind == "linear":  # [prod(out), in] -> [in, *out]
+    return w.T.reshape(shape)
+  if kind == "linear_out":  # [out, prod(in)] -> [*in, out]
     return w.T.reshape(shape)
   if kind == "conv_depthwise":  # [C, 1, W0] -> [W0, J, H]
     return w[:, 0, :].T.reshape(shape)
@@ -206,11 +234,9 @@ def load_pretrained(hf_dir: str, dtype=jnp.float32, **config_overrides) -> ZayaF
 
 
 def _convert(key: str, kind: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-  """`_to_ours` with errors that name the HF key and both shapes."""
-  try:
-    out = _to_ours(kind, w, shape)
-  except ValueError as e:
-    raise ValueError(f"{key}: HF shape {w.shape} does not convert to {shape} ({e})") from None
-  if tuple(out.shape) != tuple(shape):
-    raise ValueError(f"{key}: HF shape {w.shape} converts to {out.shape}, expected {shape}")
-  return out
+  """`_to_ours` after checking the HF shape exactly (a transposed tensor must not load)."""
+  want = _hf_shape(kind, shape)
+  if tuple(w.shape) != want:
+    raise ValueError(f"{key}: shape {tuple(w.shape)} in the checkpoint, expected {want} for this "
+                     "config.json (transposed tensor or config mismatch?)")
+  return _to_ours(kind, w, shape)
