@@ -2,6 +2,6 @@
 
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.router import BalancingBias
-from zaya_jax.model.transformer import ZayaForCausalLM, ZayaLayer, create_model
+from zaya_jax.model.transformer import ZayaForCausalLM, ZayaLayer, create_model, init_rngs
 
-__all__ = ["ModelConfig", "BalancingBias", "ZayaForCausalLM", "ZayaLayer", "create_model"]
+__all__ = ["ModelConfig", "BalancingBias", "ZayaForCausalLM", "ZayaLayer", "create_model", "init_rngs"]

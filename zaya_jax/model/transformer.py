@@ -134,11 +134,19 @@ class ZayaForCausalLM(nnx.Module):
     return logits_BTV
 
 
+def init_rngs(seed: int) -> nnx.Rngs:
+  """Parameter-init RNGs from an `rbg` key (XLA RngBitGenerator).
+
+  XLA:CPU compiles threefry draws slowly (~25 s for the tiny config's init, ~5 s with rbg);
+  rbg values are deterministic for a given seed and backend.
+  """
+  return nnx.Rngs(jax.random.key(seed, impl="rbg"))
+
+
 def create_model(cfg: ModelConfig, seed: int = 0) -> ZayaForCausalLM:
   """A randomly initialised `ZayaForCausalLM`, built inside one compiled program.
 
-  Eager construction compiles every parameter's random draw separately, and XLA:CPU compiles
-  threefry draws slowly (~25 s for the tiny config). Here the init is one program drawing from
-  an `rbg` key (XLA RngBitGenerator: ~5 s to compile), deterministic for a given seed and backend.
+  Eager construction compiles every parameter's random draw separately; here the init is one
+  program drawing from `init_rngs(seed)`.
   """
-  return nnx.jit(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(jax.random.key(seed, impl="rbg"))))()
+  return nnx.jit(lambda: ZayaForCausalLM(cfg, rngs=init_rngs(seed)))()

@@ -1,0 +1,1 @@
+"""Experiment configs: `get_config()` files for `--config=configs/<name>.py`."""

@@ -1,0 +1,86 @@
+"""Base config: ZAYA1-base model sizes with generic training defaults.
+
+Every field carries a comment with its unit. Variants (`zaya1_base.py`, `zaya1_tiny.py`)
+import this file and override fields; they never copy it. `zaya_jax.config.resolve` validates
+the result once and turns each group into a frozen dataclass.
+
+Override any field from the command line:
+  python -m launch.train --config=configs/zaya1_tiny.py --config.train.lr=1e-3 --workdir=DIR
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """Returns the base ConfigDict with groups `model`, `data`, `train`, `checkpoint`."""
+  config = ml_collections.ConfigDict()
+
+  # --- model: one field per zaya_jax.model.config.ModelConfig field, same names -------------
+  m = config.model = ml_collections.ConfigDict()
+  m.vocab_size = 262272  # V, tokens in the embedding/LM head; >= tokenizer vocab, multiple of 64
+  m.hidden_size = 2048  # D, width of the residual stream
+  m.num_layers = 40  # L, layers (each = CCA attention block + MoE block)
+  m.num_heads = 8  # N, query heads
+  m.num_kv_heads = 2  # K, key/value heads (GQA); divides num_heads, even (current|delayed halves)
+  m.head_dim = 128  # H, channels per attention head
+  m.num_experts = 16  # E, routed experts; the router has E+1 classes (last = skip)
+  m.moe_intermediate_size = 2048  # F, SwiGLU hidden width of one expert
+  m.router_hidden_size = 256  # R, width of the router's down-projection / MLP
+  m.cca_time0 = 2  # tokens, kernel width of CCA's depthwise conv over time
+  m.cca_time1 = 2  # tokens, kernel width of CCA's grouped (per-head) conv over time
+  m.layer_types = ("hybrid",) * 40  # tuple, one per layer: "hybrid" (full) | "hybrid_sliding"
+  # Tokens a "hybrid_sliding" query sees (itself included); None = no sliding layers.
+  m.sliding_window = ml_collections.FieldReference(None, field_type=int)
+  m.rope_theta = 5_000_000.0  # RoPE base of "hybrid" layers
+  m.rope_theta_sliding = 10_000.0  # RoPE base of "hybrid_sliding" layers
+  m.partial_rotary_factor = 0.5  # fraction of head_dim that RoPE rotates
+  m.rms_norm_eps = 1e-5  # epsilon inside every RMSNorm
+  m.attention_bias = False  # biases on the q/k/v/o projections
+  m.lm_head_bias = False  # bias on the (tied) LM head
+  m.initializer_range = 0.02  # std of the normal init of weight matrices
+  m.skip_mode = "scaled_identity"  # skip-class output: "scaled_identity" (gate * x, Zyphra) | "zero" (HF)
+  m.dtype = "float32"  # matmul compute dtype: "float32" | "bfloat16" (params, residual stay f32)
+  m.scan_layers = True  # run layers with nnx.scan: compile time independent of depth
+  m.remat = False  # rematerialise each layer in the backward pass (less memory, ~1/3 more FLOPs)
+  m.gmm_impl = "auto"  # experts' grouped matmul: "auto" (tiled on CPU) | "ragged_dot" | "tiled"
+  m.pad_token_id = 0  # token id of padding; must equal the tokenizer's pad id
+  m.bos_token_id = 2  # token id of beginning-of-sequence; must equal the tokenizer's bos id
+  m.eos_token_id = 106  # token id of end-of-sequence; must equal the tokenizer's eos id
+
+  # --- data: zaya_jax.data.DataConfig -------------------------------------------------------
+  d = config.data = ml_collections.ConfigDict()
+  d.source = "stdlib"  # corpus: "stdlib" (built-in demo text) or a path to your own data
+  d.text_field = "text"  # name of the text column/key in each record of `source`
+  d.tokenizer = "byte"  # "byte" (vocab 259: pad 0, bos 1, eos 2) or a path to a tokenizer file
+  d.eval_fraction = 0.02  # fraction of documents held out for evaluation, in [0, 1)
+  d.shuffle_seed = 0  # seed of the document shuffle (independent of train.seed)
+  d.num_workers = 0  # grain worker processes; 0 = read in the training process
+  d.add_bos = True  # prepend bos_token_id to every document
+  d.add_eos = True  # append eos_token_id to every document
+
+  # --- train --------------------------------------------------------------------------------
+  t = config.train = ml_collections.ConfigDict()
+  t.seed = 0  # seed of parameter init, the training RNG key and the data order
+  t.num_steps = 100_000  # optimizer steps in the whole run (defines the LR schedule's length)
+  t.max_steps_per_run = 0  # leave (after a checkpoint) once this process ran this many steps; 0 = run to num_steps
+  t.batch_size = 256  # sequences per step, global (over all processes)
+  t.seq_len = 4096  # tokens per sequence (packed documents)
+  t.lr = 3e-4  # peak learning rate, reached at the end of warmup
+  t.warmup_steps = 2_000  # steps of linear warmup from 0 to lr
+  t.min_lr_ratio = 0.1  # cosine decay ends at lr * min_lr_ratio at num_steps, in [0, 1]
+  t.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only, not norms/scales/biases)
+  t.b1 = 0.9  # AdamW first-moment decay
+  t.b2 = 0.95  # AdamW second-moment decay
+  t.eps = 1e-8  # AdamW epsilon
+  t.grad_clip_norm = 1.0  # clip gradients to this global L2 norm; 0 = no clipping
+  t.log_every = 50  # steps between train log lines / metrics.jsonl records
+  t.eval_every = 1_000  # steps between evaluations (and one at the end); 0 = only at the end
+  t.eval_batches = 16  # batches of `batch_size` sequences in each evaluation
+
+  # --- checkpoint ---------------------------------------------------------------------------
+  c = config.checkpoint = ml_collections.ConfigDict()
+  c.every_steps = 1_000  # steps between checkpoints (one is always written at the end); 0 = only at the end
+  c.max_to_keep = 3  # most recent checkpoints kept on disk; older ones are removed by Orbax
+  c.async_save = True  # write checkpoints in a background thread (`async` is a Python keyword)
+
+  return config

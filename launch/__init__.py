@@ -1,0 +1,1 @@
+"""Command-line entry points (`python -m launch.<name>`): parse flags, call a library function."""

@@ -1,0 +1,92 @@
+"""Config validation: every bad value fails at start with the field's name and a fix."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import base, zaya1_base, zaya1_tiny
+from zaya_jax.config import ConfigError, resolve
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_tiny_resolves():
+  cfg = resolve(zaya1_tiny.get_config())
+  assert cfg.model.vocab_size == 320 and cfg.model.num_layers == 4
+  assert cfg.model.layer_types.count("hybrid_sliding") == 1
+  assert cfg.to_dict()["model"]["layer_types"] == list(cfg.model.layer_types)
+
+
+def test_base_model_group_matches_model_config_defaults():
+  from zaya_jax.model import ModelConfig
+  import dataclasses
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+  assert dict(base.get_config().model) == defaults
+
+
+def test_zaya1_base_needs_a_tokenizer():
+  with pytest.raises(ConfigError, match="data.tokenizer"):
+    resolve(zaya1_base.get_config())
+
+
+@pytest.mark.parametrize("group,field,value,message", [
+    ("model", "num_heads", 3, "model.num_heads"),
+    ("model", "layer_types", ("hybrid", "bogus", "hybrid", "hybrid"), "model.layer_types"),
+    ("model", "vocab_size", 200, "model.vocab_size=200 < tokenizer vocab 259"),
+    ("model", "bos_token_id", 7, "model.bos_token_id=7"),
+    ("model", "eos_token_id", 106, "model.eos_token_id=106"),
+    ("model", "pad_token_id", 3, "model.pad_token_id=3"),
+    ("data", "tokenizer", "/nonexistent/tokenizer.json", "data.tokenizer"),
+    ("data", "eval_fraction", 1.5, "data.eval_fraction"),
+    ("train", "num_steps", 0, "train.num_steps"),
+    ("train", "batch_size", -1, "train.batch_size"),
+    ("train", "seq_len", 0, "train.seq_len"),
+    ("train", "warmup_steps", 301, "train.warmup_steps=301 must be < train.num_steps=300"),
+    ("train", "lr", 0.0, "train.lr"),
+    ("train", "min_lr_ratio", 2.0, "train.min_lr_ratio"),
+    ("train", "b2", 1.0, "train.b2"),
+    ("train", "log_every", 0, "train.log_every"),
+    ("checkpoint", "max_to_keep", 0, "checkpoint.max_to_keep"),
+])
+def test_bad_values_name_the_field(group, field, value, message):
+  config = zaya1_tiny.get_config()
+  config[group][field] = value
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    resolve(config)
+
+
+def test_unknown_field_is_named():
+  config = zaya1_tiny.get_config()
+  config.train.lrr = 1.0
+  with pytest.raises(ConfigError, match=r"train\.lrr is not a field"):
+    resolve(config)
+
+
+def test_eval_needs_held_out_documents():
+  config = zaya1_tiny.get_config()
+  config.data.eval_fraction = 0.0
+  with pytest.raises(ConfigError, match="train.eval_batches"):
+    resolve(config)
+
+
+def test_batch_must_split_over_processes():
+  with pytest.raises(ConfigError, match="train.batch_size=8 is not divisible by the 3"):
+    resolve(zaya1_tiny.get_config(), process_count=3)
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--config.train.lrr=1e-3", "lrr"),  # typo: rejected by the locked ConfigDict
+    ("--config.model.vocab_size=200", "model.vocab_size=200 < tokenizer vocab 259"),
+    ("--config.model.num_kv_heads=3", "model.num_heads"),
+])
+def test_cli_rejects_bad_overrides(tmp_path, flag, message):
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
+       f"--workdir={tmp_path}", flag],
+      cwd=REPO, capture_output=True, text=True, timeout=120,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode != 0
+  assert message in proc.stderr, proc.stderr[-2000:]
+  assert not os.path.exists(tmp_path / "checkpoints")

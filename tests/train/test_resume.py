@@ -1,0 +1,101 @@
+"""Resume: N steps, exit, rerun to 2N gives the same per-step losses as 2N steps straight.
+
+Runs the real CLI (`python -m launch.train`) in subprocesses on a very small config. CPU,
+fixed seeds: the losses must be bit-identical. The subprocesses share a persistent JAX
+compilation cache so the later ones skip most compilation.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+N = 3  # steps before the interruption
+
+OVERRIDES = [
+    "--config.model.hidden_size=32",
+    "--config.model.num_layers=2",
+    "--config.model.layer_types=('hybrid','hybrid_sliding')",
+    "--config.model.sliding_window=8",
+    "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=2",
+    "--config.model.head_dim=16",
+    "--config.model.num_experts=4",
+    "--config.model.moe_intermediate_size=32",
+    "--config.model.router_hidden_size=16",
+    "--config.train.seq_len=32",
+    "--config.train.batch_size=2",
+    f"--config.train.num_steps={2 * N}",
+    "--config.train.warmup_steps=1",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=0",
+    "--config.train.eval_batches=1",
+    f"--config.checkpoint.every_steps={N}",
+]
+
+
+def launch(workdir, cache_dir, *extra):
+  """Starts `python -m launch.train` on the tiny config; returns the Popen."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
+         f"--workdir={workdir}", *OVERRIDES, *extra]
+  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc, timeout=240):
+  out, _ = proc.communicate(timeout=timeout)
+  assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def records(workdir, kind="train"):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r for r in rows if r["kind"] == kind}  # a rerun step's last record wins
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """One JAX compilation cache for every subprocess of this module."""
+  return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.mark.slow
+def test_resume_matches_straight_run(tmp_path, cache):
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  finish(launch(straight, cache))  # compiles; the later runs read the cache
+  finish(launch(resumed, cache, f"--config.train.max_steps_per_run={N}"))
+  assert sorted(records(resumed)) == list(range(1, N + 1))
+  assert sorted(os.listdir(resumed / "checkpoints")) == [str(N)]
+
+  out = finish(launch(resumed, cache))
+  assert f"Resuming at step {N}/{2 * N}" in out, out[-4000:]
+
+  a, b = records(straight), records(resumed)
+  assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
+  for step in a:
+    for key in ("loss", "grad_norm", "lr", "expert_load"):
+      assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
+  assert records(straight, "eval")[2 * N]["loss"] == records(resumed, "eval")[2 * N]["loss"]
+
+  # Rerunning a finished run trains nothing more and keeps the checkpoints.
+  out = finish(launch(resumed, cache))
+  assert f"Resuming at step {2 * N}/{2 * N}" in out
+  assert len(records(resumed)) == 2 * N
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_model(tmp_path, cache):
+  workdir = tmp_path / "run"
+  finish(launch(workdir, cache, "--config.train.max_steps_per_run=1",
+                "--config.checkpoint.every_steps=1"))
+  proc = launch(workdir, cache, "--config.model.hidden_size=64")
+  out, _ = proc.communicate(timeout=240)
+  assert proc.returncode != 0
+  assert "model.hidden_size: 32 -> 64" in out, out[-4000:]

@@ -1,0 +1,120 @@
+"""Train step: the loss is plain next-token cross-entropy, biases stay put, schedule shape."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import zaya1_tiny
+from zaya_jax.config import TrainConfig, resolve
+from zaya_jax.model import BalancingBias, ZayaForCausalLM
+from zaya_jax.train import (cross_entropy, decay_mask, init_train_state, make_optimizer,
+                            make_schedule, train_step)
+from zaya_jax.train.optim import per_layer_ndim
+from zaya_jax.train.state import abstract_model
+
+
+def tiny_model_config():
+  return dataclasses.replace(
+      resolve(zaya1_tiny.get_config()).model, hidden_size=32, num_layers=2,
+      layer_types=("hybrid", "hybrid_sliding"), sliding_window=4, head_dim=16, num_heads=4,
+      num_kv_heads=2, num_experts=4, moe_intermediate_size=32, router_hidden_size=16)
+
+
+def random_batch(rng, b=2, t=12, vocab=320):
+  inputs = rng.integers(3, 259, (b, t)).astype(np.int32)
+  targets = np.roll(inputs, -1, axis=1)
+  segment_ids = np.ones((b, t), np.int32)
+  segment_ids[0, 8:] = 2  # a second document in row 0
+  segment_ids[1, 10:] = 0  # padding at the end of row 1
+  positions = np.concatenate([np.arange(8), np.arange(t - 8)])[None].repeat(b, 0).astype(np.int32)
+  positions[1] = np.arange(t)
+  loss_mask = (segment_ids > 0).astype(np.float32)
+  loss_mask[0, 7] = 0.0  # the last token of a document predicts nothing
+  return dict(inputs=inputs, targets=targets, segment_ids=segment_ids, positions=positions,
+              loss_mask=loss_mask)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  model_cfg = tiny_model_config()
+  train_cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-2, batch_size=2, seq_len=12)
+  graphdef, params_shape, _ = abstract_model(model_cfg, seed=0)
+  tx = make_optimizer(train_cfg, params_shape)
+  state = init_train_state(model_cfg, tx, seed=0)
+  step = jax.jit(lambda s, b: train_step(graphdef, tx, make_schedule(train_cfg), s, b))
+  return model_cfg, graphdef, state, step
+
+
+def test_loss_is_masked_mean_cross_entropy(setup):
+  model_cfg, graphdef, state, step = setup
+  batch = random_batch(np.random.default_rng(0))
+  model = nnx.merge(graphdef, state.params, state.model_state)
+  logits = np.asarray(model(batch["inputs"], batch["segment_ids"], batch["positions"]), np.float64)
+  logp = logits - logits.max(-1, keepdims=True)
+  logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+  want = (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+
+  new_state, metrics = step(state, batch)
+  np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+  assert float(metrics["tokens"]) == batch["loss_mask"].sum()
+  assert int(new_state.step) == 1
+  load = np.asarray(metrics["expert_load"])
+  assert load.shape == (model_cfg.num_layers, model_cfg.num_experts + 1)
+  np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_cross_entropy_ignores_masked_tokens():
+  logits = jnp.zeros((1, 3, 5)).at[0, 2].set(jnp.array([100.0, 0, 0, 0, 0]))
+  targets = jnp.array([[1, 2, 3]])
+  loss_sum, n = cross_entropy(logits, targets, jnp.array([[1.0, 1.0, 0.0]]))
+  np.testing.assert_allclose(float(loss_sum / n), np.log(5.0), rtol=1e-6)
+
+
+def test_step_trains_params_not_balancing_biases(setup):
+  _, _, state, step = setup
+  biases_before = jax.tree.map(np.asarray, state.model_state)
+  params_before = jax.tree.map(np.asarray, state.params)
+  batch = random_batch(np.random.default_rng(1))
+  new_state = state
+  for _ in range(3):  # step 0 has lr 0 (warmup starts at 0)
+    new_state, _ = step(new_state, batch)
+
+  kinds = {type(v) for v in jax.tree.leaves(new_state.model_state,
+                                             is_leaf=lambda x: isinstance(x, nnx.Variable))}
+  assert kinds == {BalancingBias}
+  jax.tree.map(np.testing.assert_array_equal, biases_before, jax.tree.map(np.asarray, new_state.model_state))
+  changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))),
+                                         params_before, new_state.params))
+  assert all(changed), "every parameter should receive an update"
+  # The optimizer holds moments for parameters only: no BalancingBias anywhere in its state.
+  opt_vars = jax.tree.leaves(new_state.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert not any(isinstance(v, BalancingBias) for v in opt_vars)
+
+
+def test_schedule_warmup_then_cosine():
+  cfg = TrainConfig(num_steps=110, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+  sched = make_schedule(cfg)
+  np.testing.assert_allclose(float(sched(0)), 0.0)
+  np.testing.assert_allclose(float(sched(5)), 0.5e-3, rtol=1e-6)
+  np.testing.assert_allclose(float(sched(10)), 1e-3, rtol=1e-6)
+  np.testing.assert_allclose(float(sched(60)), 1e-4 + 0.5 * (1e-3 - 1e-4), rtol=1e-5)
+  np.testing.assert_allclose(float(sched(110)), 1e-4, rtol=1e-5)
+  np.testing.assert_allclose(float(sched(500)), 1e-4, rtol=1e-5)
+
+
+def test_weight_decay_only_on_matrices():
+  _, params, _ = abstract_model(tiny_model_config(), seed=0)
+  mask = dict(nnx.to_flat_state(decay_mask(params)))
+  for path, var in nnx.to_flat_state(params):
+    name = "/".join(map(str, path))
+    if per_layer_ndim(var) < 2 or any(w in name for w in ("norm", "scale", "bias", "temp")):
+      assert not mask[path], name
+  decayed = {"/".join(map(str, p)) for p, m in mask.items() if m}
+  assert {"embed_tokens", "layers/self_attn/q_proj", "layers/mlp/experts/w_up",
+          "layers/mlp/router/down_proj"} <= decayed
+  assert "layers/input_layernorm/weight" not in decayed  # [L, D]: a vector per layer

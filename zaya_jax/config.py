@@ -1,0 +1,203 @@
+"""Validates the ml_collections config once and builds frozen dataclasses from it.
+
+`resolve(config)` is the only place that reads the whole ConfigDict. It returns a `RunConfig`
+of small frozen dataclasses (`ModelConfig`, `DataConfig`, `TrainConfig`, `CheckpointConfig`);
+every other module takes those. Every error names the offending field and the fix, e.g.
+
+  train.warmup_steps=500 must be < train.num_steps=300; lower the warmup or train longer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+
+from zaya_jax.data import DataConfig, load_tokenizer
+from zaya_jax.model.config import ModelConfig
+
+GROUPS = ("model", "data", "train", "checkpoint")
+# Model fields that change how the model computes, not its parameters: they may differ
+# between a checkpoint and the run that resumes from it.
+COMPUTE_ONLY_MODEL_FIELDS = ("dtype", "scan_layers", "remat", "gmm_impl")
+
+
+class ConfigError(ValueError):
+  """An invalid config value; the message names the field (`group.field`) and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Optimisation, schedule, logging and evaluation settings (see configs/base.py)."""
+
+  seed: int = 0  # parameter init, training RNG key and data order
+  num_steps: int = 100_000  # optimizer steps in the whole run (schedule length)
+  max_steps_per_run: int = 0  # leave after this many steps in one process; 0 = no limit
+  batch_size: int = 256  # sequences per step, global
+  seq_len: int = 4096  # tokens per sequence
+  lr: float = 3e-4  # peak learning rate
+  warmup_steps: int = 2_000  # linear warmup steps
+  min_lr_ratio: float = 0.1  # final lr / peak lr
+  weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices
+  b1: float = 0.9  # AdamW beta1
+  b2: float = 0.95  # AdamW beta2
+  eps: float = 1e-8  # AdamW epsilon
+  grad_clip_norm: float = 1.0  # global-norm clip; 0 = off
+  log_every: int = 50  # steps between log lines
+  eval_every: int = 1_000  # steps between evaluations; 0 = only at the end
+  eval_batches: int = 16  # batches per evaluation; 0 = no evaluation
+
+  def __post_init__(self):
+    for f in ("num_steps", "batch_size", "seq_len", "log_every"):
+      _positive_int(self, "train", f)
+    for f in ("seed", "max_steps_per_run", "warmup_steps", "eval_every", "eval_batches"):
+      _nonnegative_int(self, "train", f)
+    if self.warmup_steps >= self.num_steps:
+      raise ConfigError(
+          f"train.warmup_steps={self.warmup_steps} must be < train.num_steps={self.num_steps}; "
+          "lower the warmup or train longer")
+    if not self.lr > 0:
+      raise ConfigError(f"train.lr={self.lr} must be > 0 (peak learning rate, e.g. 3e-4)")
+    if not 0 <= self.min_lr_ratio <= 1:
+      raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] "
+                        "(final lr = lr * min_lr_ratio)")
+    if self.weight_decay < 0:
+      raise ConfigError(f"train.weight_decay={self.weight_decay} must be >= 0")
+    for f in ("b1", "b2"):
+      if not 0 <= getattr(self, f) < 1:
+        raise ConfigError(f"train.{f}={getattr(self, f)} must be in [0, 1) (AdamW moment decay)")
+    if not self.eps > 0:
+      raise ConfigError(f"train.eps={self.eps} must be > 0 (AdamW epsilon, e.g. 1e-8)")
+    if self.grad_clip_norm < 0:
+      raise ConfigError(f"train.grad_clip_norm={self.grad_clip_norm} must be >= 0 (0 = no clipping)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpointing settings (see configs/base.py)."""
+
+  every_steps: int = 1_000  # steps between checkpoints; 0 = only at the end
+  max_to_keep: int = 3  # most recent checkpoints kept
+  async_save: bool = True  # write in a background thread
+
+  def __post_init__(self):
+    _nonnegative_int(self, "checkpoint", "every_steps")
+    _positive_int(self, "checkpoint", "max_to_keep")
+    if not isinstance(self.async_save, bool):
+      raise ConfigError(f"checkpoint.async_save={self.async_save!r} must be True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything one training run needs, validated."""
+
+  model: ModelConfig
+  data: DataConfig
+  train: TrainConfig
+  checkpoint: CheckpointConfig
+
+  def to_dict(self) -> dict[str, dict[str, Any]]:
+    """JSON-ready dict (tuples become lists), as saved in every checkpoint."""
+    return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> RunConfig:
+  """Validates `config` and builds the frozen dataclasses of one run.
+
+  Args:
+    config: a ConfigDict from `configs/*.py` (after command-line overrides).
+    process_count: JAX processes of the run; train.batch_size must divide evenly over them.
+
+  Returns:
+    The validated RunConfig.
+
+  Raises:
+    ConfigError: naming the field and the fix, e.g. an unknown group or field, a value out
+      of range, `model.vocab_size` smaller than the tokenizer's vocabulary, or special token
+      ids that differ from the tokenizer's.
+  """
+  unknown = sorted(set(config.keys()) - set(GROUPS))
+  if unknown:
+    raise ConfigError(f"unknown config group(s) {unknown}; known groups are {list(GROUPS)}")
+  model = _build(ModelConfig, config, "model")
+  data = _build(DataConfig, config, "data")
+  train = _build(TrainConfig, config, "train")
+  checkpoint = _build(CheckpointConfig, config, "checkpoint")
+
+  if train.batch_size % process_count:
+    raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by the "
+                      f"{process_count} processes; use a multiple of {process_count}")
+  if train.eval_batches and data.eval_fraction == 0:
+    raise ConfigError(f"train.eval_batches={train.eval_batches} but data.eval_fraction=0 holds "
+                      "out no documents; set train.eval_batches=0 or data.eval_fraction > 0")
+  _check_tokenizer(model, data)
+  return RunConfig(model=model, data=data, train=train, checkpoint=checkpoint)
+
+
+def config_differences(saved: dict[str, Any], current: RunConfig, group: str,
+                       ignore: tuple[str, ...] = ()) -> list[str]:
+  """`group.field: saved -> current` for each field of `group` that differs (JSON values).
+
+  Fields absent from `saved` (added to the code after it was written) and fields in `ignore`
+  are not compared.
+  """
+  now = current.to_dict()[group]
+  before = saved.get(group, {})
+  return [f"{group}.{k}: {before[k]!r} -> {now[k]!r}" for k in now
+          if k in before and k not in ignore and before[k] != now[k]]
+
+
+def _build(cls, config: ml_collections.ConfigDict, group: str):
+  """`cls(**config[group])`, with unknown fields and constructor errors named `group.field`."""
+  if group not in config:
+    raise ConfigError(f"config has no {group!r} group; start from configs/base.py")
+  values = dict(config[group])
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    raise ConfigError(f"{group}.{unknown[0]} is not a field of {cls.__name__}; "
+                      f"known fields: {sorted(names)}")
+  if "layer_types" in values:  # ConfigDict/JSON may hand back a list
+    values["layer_types"] = tuple(values["layer_types"])
+  try:
+    return cls(**values)
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    msg = str(e)
+    raise ConfigError(msg if msg.startswith(f"{group}.") else f"{group}: {msg}") from e
+
+
+def _check_tokenizer(model: ModelConfig, data: DataConfig) -> None:
+  """The model's vocabulary and special ids must agree with the tokenizer's."""
+  try:
+    tok = load_tokenizer(data)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"data.tokenizer={data.tokenizer!r} cannot be loaded: {e}") from e
+  if model.vocab_size < tok.vocab_size:
+    need = -(-tok.vocab_size // 64) * 64
+    raise ConfigError(
+        f"model.vocab_size={model.vocab_size} < tokenizer vocab {tok.vocab_size} "
+        f"(data.tokenizer={data.tokenizer!r}); set --config.model.vocab_size={need} "
+        "(the tokenizer's size rounded up to a multiple of 64)")
+  for field, tok_attr in (("pad_token_id", "pad_id"), ("bos_token_id", "bos_id"),
+                          ("eos_token_id", "eos_id")):
+    want = getattr(tok, tok_attr, None)
+    if want is not None and getattr(model, field) != want:
+      raise ConfigError(
+          f"model.{field}={getattr(model, field)} but the tokenizer's {tok_attr} is {want} "
+          f"(data.tokenizer={data.tokenizer!r}); set --config.model.{field}={want}")
+
+
+def _positive_int(obj, group: str, field: str) -> None:
+  v = getattr(obj, field)
+  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    raise ConfigError(f"{group}.{field}={v!r} must be a positive integer")
+
+
+def _nonnegative_int(obj, group: str, field: str) -> None:
+  v = getattr(obj, field)
+  if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    raise ConfigError(f"{group}.{field}={v!r} must be an integer >= 0")

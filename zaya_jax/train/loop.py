@@ -1,0 +1,182 @@
+# Shape letters: L X (see zaya_jax/__init__.py).
+"""`run(config, workdir)`: build everything, restore or initialise, train, evaluate, save.
+
+Running the same command again resumes from the newest checkpoint in `workdir/checkpoints`
+(parameters, balancing biases, optimizer, step, RNG key and data position), so a restarted
+run continues bit-for-bit on CPU. Outputs in `workdir`:
+  checkpoints/<step>/   Orbax checkpoints (see zaya_jax/checkpoint.py)
+  metrics.jsonl         one JSON object per line: {"kind": "train" | "eval", "step": ..., ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging as std_logging
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from zaya_jax.checkpoint import Checkpointer, with_sharding
+from zaya_jax.config import RunConfig, resolve
+from zaya_jax.data import make_eval_batches, make_train_iterator
+from zaya_jax.train.optim import make_optimizer, make_schedule
+from zaya_jax.train.state import TrainState, abstract_model, abstract_train_state, init_train_state
+from zaya_jax.train.step import expert_load, make_eval_step, make_train_step
+
+
+class _QuietLibraries(std_logging.Filter):
+  """Drops INFO/DEBUG records of Orbax, Grain and JAX internals (dozens of lines per save), so
+  the training log shows one line per `log_every` steps; their warnings and errors pass."""
+
+  _NOISY = (os.sep + "orbax" + os.sep, os.sep + "grain" + os.sep, os.sep + "jax" + os.sep)
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno >= std_logging.WARNING or not any(n in record.pathname for n in self._NOISY)
+
+
+def quiet_library_logs() -> None:
+  """Installs `_QuietLibraries` on the absl handler (idempotent)."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
+    handler.addFilter(_QuietLibraries())
+
+
+class MetricsWriter:
+  """Appends JSON lines to `workdir/metrics.jsonl` (process 0 only; others write nothing)."""
+
+  def __init__(self, path: str, enabled: bool):
+    self._file = open(path, "a", encoding="utf-8") if enabled else None
+
+  def write(self, record: dict[str, Any]) -> None:
+    if self._file is not None:
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+
+
+def evaluate(eval_step, state: TrainState, batches: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+  """Mean next-token loss over all masked tokens of `batches`, and expert load [L, X]."""
+  loss_sum, tokens, counts_LX = 0.0, 0.0, 0.0
+  for batch in batches:
+    out = jax.device_get(eval_step(state, batch))
+    loss_sum += float(out["loss_sum"])
+    tokens += float(out["tokens"])
+    counts_LX = counts_LX + np.asarray(out["expert_counts"], np.float64)
+  return {"loss": loss_sum / max(tokens, 1.0), "tokens": tokens,
+          "expert_load": np.asarray(expert_load(np.asarray(counts_LX))).tolist()}
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
+  """Trains the model described by `config`, resuming from `workdir` if it holds checkpoints.
+
+  Args:
+    config: a ConfigDict from `configs/*.py`; validated here by `zaya_jax.config.resolve`.
+    workdir: output directory (created if missing).
+
+  Returns:
+    The final TrainState.
+
+  Raises:
+    zaya_jax.config.ConfigError: for an invalid config (naming the field).
+    ValueError: for a checkpoint that does not match the config or cannot be read.
+  """
+  quiet_library_logs()
+  cfg: RunConfig = resolve(config, process_count=jax.process_count())
+  train = cfg.train
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+
+  graphdef, params_shape, _ = abstract_model(cfg.model, train.seed)
+  tx = make_optimizer(train, params_shape)
+  schedule = make_schedule(train)
+
+  local_batch = train.batch_size // jax.process_count()
+  data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
+                                  seed=train.seed, process_index=jax.process_index(),
+                                  process_count=jax.process_count())
+  eval_batches = []
+  if train.eval_batches:
+    eval_batches = make_eval_batches(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
+                                     max_batches=train.eval_batches,
+                                     process_index=jax.process_index(),
+                                     process_count=jax.process_count())
+
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
+  latest = ckpt.latest_step()
+  if latest is None:
+    state = init_train_state(cfg.model, tx, train.seed)
+  else:
+    # One device for now; a mesh-aware sharding replaces this with the multi-host work.
+    target = with_sharding(abstract_train_state(cfg.model, tx, train.seed),
+                           jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    state = ckpt.restore(latest, target, data_iter, cfg)
+  step = int(state.step)
+  if is_main:
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    logging.info("%s at step %d/%d: %.2fM parameters, %d devices, workdir %s",
+                 "Resuming" if latest is not None else "Starting", step, train.num_steps,
+                 n_params / 1e6, jax.device_count(), workdir)
+
+  train_step = make_train_step(graphdef, tx, schedule)
+  eval_step = make_eval_step(graphdef)
+  metrics_out = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), enabled=is_main)
+  tokens_per_step = train.batch_size * train.seq_len
+  saved_step = latest
+
+  def run_eval():
+    if not eval_batches:
+      return
+    record = {"kind": "eval", "step": step, **evaluate(eval_step, state, eval_batches)}
+    metrics_out.write(record)
+    if is_main:
+      logging.info("eval step %d | loss %.4f | %d tokens", step, record["loss"], record["tokens"])
+
+  steps_this_run = 0
+  window_start, window_steps = time.perf_counter(), 0
+  while step < train.num_steps and not (
+      train.max_steps_per_run and steps_this_run >= train.max_steps_per_run):
+    batch = next(data_iter)
+    state, metrics = train_step(state, batch)
+    step += 1
+    steps_this_run += 1
+    window_steps += 1
+    if steps_this_run == 1:  # Keep compilation out of the throughput numbers.
+      jax.block_until_ready(metrics)
+      window_start, window_steps = time.perf_counter(), 0
+    if step % train.log_every == 0 or step == train.num_steps:
+      m = jax.device_get(metrics)
+      elapsed = time.perf_counter() - window_start
+      tok_s = window_steps * tokens_per_step / elapsed if window_steps else None  # None: compile step
+      metrics_out.write({
+          "kind": "train", "step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
+          "grad_norm": float(m["grad_norm"]), "tokens": float(m["tokens"]),
+          "tokens_per_s": tok_s, "expert_load": np.asarray(m["expert_load"]).tolist(),
+      })
+      if is_main:
+        logging.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s",
+                     step, train.num_steps, m["loss"], m["lr"], m["grad_norm"],
+                     "-" if tok_s is None else f"{tok_s:.0f}")
+      window_start, window_steps = time.perf_counter(), 0
+    if train.eval_every and step % train.eval_every == 0 and step != train.num_steps:
+      run_eval()
+    if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+      saved_step = ckpt.save(state, data_iter, cfg)
+
+  if steps_this_run and step == train.num_steps:
+    run_eval()
+  if step != saved_step:
+    saved_step = ckpt.save(state, data_iter, cfg)
+  ckpt.close()  # Waits for asynchronous saves: the process may exit right after.
+  metrics_out.close()
+  if is_main:
+    logging.info("Stopped at step %d/%d; checkpoint %d in %s", step, train.num_steps,
+                 saved_step, ckpt.directory)
+  return state

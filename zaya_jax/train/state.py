@@ -1,0 +1,76 @@
+"""TrainState: everything that changes during training, as one pytree of arrays.
+
+The model is kept functional: `nnx.split(model, nnx.Param, ...)` gives a static `GraphDef`
+plus two `nnx.State` pytrees, the trainable `params` (every `nnx.Param`) and `model_state`
+(everything else: the router `BalancingBias` of every layer). Gradients and the optimizer see
+only `params`; checkpoints hold both. Plain pytrees through `jax.jit` keep Orbax
+checkpointing and (later) sharding simple.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from zaya_jax.model import ModelConfig, ZayaForCausalLM, init_rngs
+
+
+@flax.struct.dataclass
+class TrainState:
+  """One training step's worth of state.
+
+  Attributes:
+    step: int32 [], optimizer updates applied so far.
+    params: nnx.State of the model's `nnx.Param`s (float32), the only trained leaves.
+    model_state: nnx.State of the model's other variables (router balancing biases, float32).
+    opt_state: optax state of the optimizer over `params`.
+    rng: uint32 [2], raw PRNG key data of the training key (split per step when needed).
+  """
+
+  step: jax.Array
+  params: nnx.State
+  model_state: nnx.State
+  opt_state: Any
+  rng: jax.Array
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+  """`(graphdef, params, model_state)`: `nnx.Param`s apart from every other variable."""
+  return nnx.split(model, nnx.Param, ...)
+
+
+def abstract_model(model_cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+  """`split_model` of a model built under `nnx.eval_shape`: shapes only, no memory, no FLOPs."""
+  model = nnx.eval_shape(lambda: ZayaForCausalLM(model_cfg, rngs=init_rngs(seed)))
+  return split_model(model)
+
+
+def init_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
+                     seed: int) -> TrainState:
+  """A fresh TrainState at step 0: parameters from `init_rngs(seed)`, zero optimizer moments.
+
+  Built inside `jax.jit`, so the large initialisers run compiled (and, later, sharded).
+  """
+
+  def init() -> TrainState:
+    _, params, model_state = split_model(ZayaForCausalLM(model_cfg, rngs=init_rngs(seed)))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        model_state=model_state,
+        opt_state=tx.init(params),
+        rng=jax.random.key_data(jax.random.key(seed)),
+    )
+
+  return jax.jit(init)()
+
+
+def abstract_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
+                         seed: int) -> TrainState:
+  """`init_train_state` as `jax.ShapeDtypeStruct` leaves (for Orbax restore targets)."""
+  return jax.eval_shape(lambda: init_train_state(model_cfg, tx, seed))

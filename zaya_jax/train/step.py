@@ -1,0 +1,98 @@
+# Shape letters: B T V L X (see zaya_jax/__init__.py).
+"""Jitted train and eval steps: next-token cross-entropy over the loss mask.
+
+The batch is a dict of `[B, T]` arrays from `zaya_jax.data`: `inputs`, `targets` (int32),
+`segment_ids` (int32, 0 = padding), `positions` (int32), `loss_mask` (float32).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from zaya_jax.train.state import TrainState
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array,
+                  loss_mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(sum of -log p(target) over masked tokens, number of masked tokens)`, both float32 [].
+
+  Args:
+    logits_BTV: float32 logits.
+    targets_BT: int32 next-token ids in [0, V).
+    loss_mask_BT: float32 weights, 1 for tokens that count, 0 for padding.
+  """
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  nll_BT = -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  mask_BT = loss_mask_BT.astype(jnp.float32)
+  return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def _forward(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, batch: Batch):
+  """`(loss_sum, tokens, expert_counts_LX)` of the model on one batch."""
+  # copy=True: fresh Variables at the current trace level. The balancing biases come from the
+  # jit trace while `params` come from the grad trace; nnx.scan inside the model refuses
+  # Variables created at another trace level.
+  model = nnx.merge(graphdef, params, model_state, copy=True)
+  logits_BTV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"],
+                          return_aux=True)
+  loss_sum, tokens = cross_entropy(logits_BTV, batch["targets"], batch["loss_mask"])
+  return loss_sum, tokens, aux["expert_counts"]
+
+
+def expert_load(counts_LX: jax.Array) -> jax.Array:
+  """float32 [L, X]: fraction of each layer's non-padding tokens sent to each class (skip last)."""
+  return counts_LX / jnp.maximum(jnp.sum(counts_LX, axis=-1, keepdims=True), 1.0)
+
+
+def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+               schedule: optax.Schedule, state: TrainState,
+               batch: Batch) -> tuple[TrainState, Metrics]:
+  """One AdamW update on the mean next-token loss; gradients w.r.t. `state.params` only.
+
+  Returns:
+    The new state (step + 1; `model_state` untouched) and float32 scalar metrics `loss`
+    (mean over masked tokens), `grad_norm` (global L2 norm before clipping), `lr` (the rate
+    this update used), `tokens` (masked tokens in the batch), plus `expert_load` [L, X].
+  """
+
+  def loss_fn(params):
+    loss_sum, tokens, counts_LX = _forward(graphdef, params, state.model_state, batch)
+    return loss_sum / jnp.maximum(tokens, 1.0), (tokens, counts_LX)
+
+  (loss, (tokens, counts_LX)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {
+      "loss": loss,
+      "grad_norm": optax.tree.norm(grads),
+      "lr": jnp.asarray(schedule(state.step), jnp.float32),
+      "tokens": tokens,
+      "expert_load": expert_load(counts_LX),
+  }
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> Metrics:
+  """Sums for one eval batch: `loss_sum`, `tokens` (float32 []), `expert_counts` [L, X]."""
+  loss_sum, tokens, counts_LX = _forward(graphdef, state.params, state.model_state, batch)
+  return {"loss_sum": loss_sum, "tokens": tokens, "expert_counts": counts_LX}
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  """`train_step` with the static parts bound, jitted; the input state's buffers are donated."""
+  return jax.jit(lambda state, batch: train_step(graphdef, tx, schedule, state, batch),
+                 donate_argnums=0)
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[TrainState, Batch], Metrics]:
+  """`eval_step` with the graph bound, jitted."""
+  return jax.jit(lambda state, batch: eval_step(graphdef, state, batch))
