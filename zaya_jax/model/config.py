@@ -47,6 +47,9 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of matmuls (params, residual, norms, softmax stay f32)
   scan_layers: bool = True  # run layers with nnx.scan (compile time independent of depth)
   remat: bool = False  # rematerialise each layer in the backward pass
+  moe_dispatch: str = "auto"  # EP token dispatch: zaya_jax.parallel.dispatch.DISPATCHES
+  capacity_factor: float = 1.25  # "all_to_all" dispatch: slots per expert = factor * tokens / E
+  force_balanced_routing: bool = False  # debug: round-robin tokens over experts (throughput runs)
   gmm_impl: str = "auto"  # experts' grouped matmul: zaya_jax.ops.GMM_IMPLS ("auto" | "ragged_dot" | "tiled")
   pad_token_id: int = 0
   bos_token_id: int = 2
@@ -84,6 +87,11 @@ class ModelConfig:
       fail("skip_mode", f"{self.skip_mode!r}; must be one of {SKIP_MODES}")
     if self.gmm_impl not in ("auto", "ragged_dot", "tiled"):
       fail("gmm_impl", f"{self.gmm_impl!r}; must be one of ('auto', 'ragged_dot', 'tiled')")
+    if self.moe_dispatch not in ("auto", "local", "allgather", "all_to_all", "ragged_all_to_all"):
+      fail("moe_dispatch", f"{self.moe_dispatch!r}; must be one of ('auto', 'local', 'allgather', "
+           "'all_to_all', 'ragged_all_to_all')")
+    if not self.capacity_factor > 0:
+      fail("capacity_factor", f"{self.capacity_factor} must be > 0")
     if self.dtype not in DTYPES:
       fail("dtype", f"{self.dtype!r}; must be one of {DTYPES}")
 

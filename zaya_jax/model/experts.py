@@ -11,12 +11,20 @@ Matches: HF `ZayaExperts` (`gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax import ops
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.layers import compute_dtype, normal, param
+
+
+def swiglu_experts(x_MD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
+                   w_down_EFD: jax.Array, group_sizes_E: jax.Array, gmm_impl: str) -> jax.Array:
+  """Grouped SwiGLU on sorted rows; weights already in the compute dtype. Returns `[M, D]`."""
+  x = x_MD.astype(w_gate_EDF.dtype)
+  gmm = lambda a, w: ops.grouped_matmul(a, w, group_sizes_E, gmm_impl)
+  h_MF = jax.nn.silu(gmm(x, w_gate_EDF)) * gmm(x, w_up_EDF)
+  return gmm(h_MF, w_down_EFD)
 
 
 class Experts(nnx.Module):
@@ -31,9 +39,10 @@ class Experts(nnx.Module):
     self.w_up = param(rngs, init, (e, d, f), ("experts", "embed", "expert_mlp"))
     self.w_down = param(rngs, init, (e, f, d), ("experts", "expert_mlp", "embed"))
 
+  def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(w_gate, w_up, w_down)` cast to the compute dtype."""
+    return tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+
   def __call__(self, x_MD: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
     """`x_MD` rows sorted by expert, `group_sizes_E` int32 -> `[M, D]` in the compute dtype."""
-    x = x_MD.astype(self.dtype)
-    gmm = lambda a, w: ops.grouped_matmul(a, w[...].astype(self.dtype), group_sizes_E, self.gmm_impl)
-    h_MF = jax.nn.silu(gmm(x, self.w_gate)) * gmm(x, self.w_up)
-    return gmm(h_MF, self.w_down)
+    return swiglu_experts(x_MD, *self.weights(), group_sizes_E, self.gmm_impl)

@@ -41,14 +41,15 @@ class ZayaLayer(nnx.Module):
     self.post_mlp_residual_scale = ResidualScale(d, rngs=rngs)
 
   def __call__(self, x_BTD, r_prev_BTR, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS):
-    """`x_BTD` float32 residual, `r_prev_BTR` previous router state -> `(x_BTD, r_BTR, counts_X)`."""
+    """`x_BTD` float32 residual, `r_prev_BTR` previous router state ->
+    `(x_BTD, r_BTR, (counts_X, dropped))` (routing statistics, see `MoE.__call__`)."""
     a_BTD = self.input_layernorm(x_BTD)
     o_BTD = self.self_attn(a_BTD, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS)
     x_BTD = self.post_attention_residual_scale(o_BTD, x_BTD)
     b_BTD = self.post_attention_layernorm(x_BTD)
-    y_BTD, r_BTR, counts_X = self.mlp(b_BTD, r_prev_BTR, segment_ids_BT)
+    y_BTD, r_BTR, counts_X, dropped = self.mlp(b_BTD, r_prev_BTR, segment_ids_BT)
     x_BTD = self.post_mlp_residual_scale(y_BTD, x_BTD)
-    return x_BTD, r_BTR, counts_X
+    return x_BTD, r_BTR, (counts_X, dropped)
 
 
 class ZayaForCausalLM(nnx.Module):
@@ -59,7 +60,8 @@ class ZayaForCausalLM(nnx.Module):
     segment_ids  int32 `[B, T]`, 1, 2, ... per packed document, 0 = padding (default: all 1);
     positions    int32 `[B, T]` RoPE positions (default: position inside each document).
   Returns float32 logits `[B, T, V]`, and with `return_aux=True` also
-  `{"expert_counts": float32 [L, X]}` (non-padding tokens routed to each class per layer).
+  `{"expert_counts": float32 [L, X]` (non-padding tokens routed to each class per layer),
+  `"dropped_tokens": float32 [L]}` (non-padding tokens dropped by a capacity-limited dispatch).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -111,8 +113,8 @@ class ZayaForCausalLM(nnx.Module):
     def layer_step(carry, layer, sliding):
       x, r = carry
       pick = lambda s, f: jnp.where(sliding, s, f)
-      x, r, counts_X = layer(x, r, segment_ids_BT, pick(cos_s, cos_f), pick(sin_s, sin_f), pick(mask_s, mask_f))
-      return (x, r), counts_X
+      x, r, stats = layer(x, r, segment_ids_BT, pick(cos_s, cos_f), pick(sin_s, sin_f), pick(mask_s, mask_f))
+      return (x, r), stats
 
     if cfg.remat:
       layer_step = nnx.remat(layer_step, prevent_cse=False)
@@ -120,7 +122,7 @@ class ZayaForCausalLM(nnx.Module):
                           unroll=1 if cfg.scan_layers else True)
     b, t, _ = x_BTD.shape
     r0_BTR = jnp.zeros((b, t, cfg.router_hidden_size), jnp.float32)
-    (x_BTD, _), counts_LX = run_layers((x_BTD, r0_BTR), self.layers, jnp.asarray(is_sliding_L))
+    (x_BTD, _), (counts_LX, dropped_L) = run_layers((x_BTD, r0_BTR), self.layers, jnp.asarray(is_sliding_L))
 
     # Step 3: final norm and the tied LM head.
     dtype = compute_dtype(cfg.dtype)
@@ -130,7 +132,7 @@ class ZayaForCausalLM(nnx.Module):
     if cfg.lm_head_bias:
       logits_BTV = logits_BTV + self.lm_head_bias[...]
     if return_aux:
-      return logits_BTV, {"expert_counts": counts_LX}
+      return logits_BTV, {"expert_counts": counts_LX, "dropped_tokens": dropped_L}
     return logits_BTV
 
 

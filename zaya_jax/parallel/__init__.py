@@ -1,0 +1,1 @@
+"""Device meshes, logical-axis sharding rules, and expert-parallel token dispatch."""

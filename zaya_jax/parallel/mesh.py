@@ -1,0 +1,132 @@
+"""The device mesh and the one table that maps logical axes to mesh axes.
+
+Mesh axes (`MESH_AXES`, in this order, all `AxisType.Auto`):
+
+| mesh axis | meaning                   | shards                                                      |
+|-----------|---------------------------|-------------------------------------------------------------|
+| `data`    | pure replicas (DDP)       | batch                                                       |
+| `fsdp`    | FSDP / ZeRO-3             | batch; parameter dim `embed` (gathered for compute)         |
+| `expert`  | expert parallelism (EP)   | batch outside the MoE; experts inside it (tokens move by all-to-all) |
+
+Parameters carry logical axis names (zaya_jax/model/layers.py); `LOGICAL_RULES` resolves
+them. Activations use separate `act_*` names so params can shard on `embed` while
+activations shard on the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+DATA, FSDP, EXPERT = "data", "fsdp", "expert"
+MESH_AXES = (DATA, FSDP, EXPERT)
+BATCH_AXES = (DATA, FSDP, EXPERT)  # every batch-like axis: the global batch splits over all
+
+LOGICAL_RULES = (
+    ("embed", FSDP),  # D of every weight: FSDP shards it, XLA all-gathers it for compute
+    ("vocab", None),  # V: the tied embedding / LM head is sharded on D (fsdp) only
+    ("q_heads", None), ("kv_heads", None), ("head_dim", None),  # attention: few heads, replicate
+    ("conv", None),  # CCA conv channels
+    ("experts", EXPERT),  # E: each EP shard holds E / |expert| experts
+    ("expert_mlp", None),  # F
+    ("router", None), ("classes", None),  # the router is tiny: replicated
+    ("layers", None),  # the scan axis L
+    ("act_batch", BATCH_AXES),  # B of activations and input batches
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh shape: devices along `data`, `fsdp`, `expert`. One of them may be -1 (inferred).
+
+  Raises:
+    ValueError: more than one -1, a size < 1, or a product that does not divide the device
+      count (names the field and the numbers).
+  """
+
+  data: int = 1
+  fsdp: int = -1
+  expert: int = 1
+
+  def __post_init__(self):
+    sizes = dataclasses.asdict(self)
+    if sum(v == -1 for v in sizes.values()) > 1:
+      raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
+    for k, v in sizes.items():
+      if v != -1 and (not isinstance(v, int) or v < 1):
+        raise ValueError(f"mesh.{k}={v!r} must be a positive integer or -1 (inferred)")
+
+  def shape(self, num_devices: int) -> dict[str, int]:
+    """Axis sizes for `num_devices`, with a -1 replaced by what the others leave."""
+    sizes = dataclasses.asdict(self)
+    known = math.prod(v for v in sizes.values() if v != -1)
+    infer = [k for k, v in sizes.items() if v == -1]
+    if num_devices % known:
+      raise ValueError(f"mesh {sizes}: the product of the fixed axes ({known}) does not divide the "
+                       f"{num_devices} devices; choose sizes whose product divides {num_devices}")
+    if infer:
+      sizes[infer[0]] = num_devices // known
+    elif known != num_devices:
+      raise ValueError(f"mesh {sizes} has {known} devices but {num_devices} are available; set one "
+                       "axis to -1 or make the product equal the device count")
+    return sizes
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+  """A `Mesh` over `devices` (default: all) with axes `MESH_AXES`, all `AxisType.Auto`."""
+  devices = jax.devices() if devices is None else devices
+  sizes = cfg.shape(len(devices))
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  if devices is None or len(devices) == len(jax.devices()):
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
+              axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_divisibility(mesh: Mesh, *, num_experts: int, hidden_size: int, batch_size: int) -> None:
+  """Fails at start if the mesh does not divide the model or the batch.
+
+  Raises:
+    ValueError: naming the config field and both numbers, e.g. `model.num_experts=6 is not
+      divisible by mesh.expert=4`.
+  """
+  s = dict(mesh.shape)
+  if num_experts % s[EXPERT]:
+    raise ValueError(f"model.num_experts={num_experts} is not divisible by mesh.expert={s[EXPERT]}; "
+                     "choose an expert axis that divides the number of experts")
+  if hidden_size % s[FSDP]:
+    raise ValueError(f"model.hidden_size={hidden_size} is not divisible by mesh.fsdp={s[FSDP]}; "
+                     "choose an fsdp axis that divides the hidden size")
+  n = math.prod(s[a] for a in BATCH_AXES)
+  if batch_size % n:
+    raise ValueError(f"train.batch_size={batch_size} is not divisible by the {n} batch shards "
+                     f"(mesh data*fsdp*expert = {s[DATA]}*{s[FSDP]}*{s[EXPERT]}); use a multiple of {n}")
+
+
+def logical_to_spec(names) -> P:
+  """PartitionSpec for a tuple of logical axis names, through `LOGICAL_RULES`."""
+  rules = dict(LOGICAL_RULES)
+  return P(*(rules.get(n) if n is not None else None for n in names))
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """`NamedSharding` per variable of an nnx.State (from its `out_sharding` logical names;
+  variables without names are replicated)."""
+
+  def one(v):
+    names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+    spec = logical_to_spec(names) if names else P()
+    return NamedSharding(mesh, spec)
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Sharding of `[B, T]` input batches: B over every batch axis."""
+  return NamedSharding(mesh, P(BATCH_AXES, None))
