@@ -42,6 +42,9 @@ def get_config() -> ml_collections.ConfigDict:
   m.dtype = "float32"  # matmul compute dtype: "float32" | "bfloat16" (params, residual stay f32)
   m.scan_layers = True  # run layers with nnx.scan: compile time independent of depth
   m.remat = False  # rematerialise each layer in the backward pass (less memory, ~1/3 more FLOPs)
+  m.moe_dispatch = "auto"  # EP token dispatch: "auto" (ragged_all_to_all on GPU, allgather on CPU) | "allgather" | "all_to_all" | "ragged_all_to_all" | "local"
+  m.capacity_factor = 1.25  # "all_to_all" only: slots per expert per shard = factor * tokens / E
+  m.force_balanced_routing = False  # debug: round-robin tokens over experts (throughput/memory runs)
   m.gmm_impl = "auto"  # experts' grouped matmul: "auto" (tiled on CPU) | "ragged_dot" | "tiled"
   m.pad_token_id = 0  # token id of padding; must equal the tokenizer's pad id
   m.bos_token_id = 2  # token id of beginning-of-sequence; must equal the tokenizer's bos id
@@ -82,5 +85,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.every_steps = 1_000  # steps between checkpoints (one is always written at the end); 0 = only at the end
   c.max_to_keep = 3  # most recent checkpoints kept on disk; older ones are removed by Orbax
   c.async_save = True  # write checkpoints in a background thread (`async` is a Python keyword)
+
+  # --- mesh: zaya_jax.parallel.mesh.MeshConfig (devices per axis; one axis may be -1) --------
+  mesh = config.mesh = ml_collections.ConfigDict()
+  mesh.data = 1  # pure data-parallel replicas
+  mesh.fsdp = -1  # FSDP shards (params sharded on hidden dim); -1 = all remaining devices
+  mesh.expert = 1  # expert-parallel shards; must divide model.num_experts
 
   return config

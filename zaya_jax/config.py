@@ -17,11 +17,13 @@ import ml_collections
 
 from zaya_jax.data import DataConfig, load_tokenizer
 from zaya_jax.model.config import ModelConfig
+from zaya_jax.parallel.mesh import MeshConfig
 
-GROUPS = ("model", "data", "train", "checkpoint")
+GROUPS = ("model", "data", "train", "checkpoint", "mesh")
 # Model fields that change how the model computes, not its parameters: they may differ
 # between a checkpoint and the run that resumes from it.
-COMPUTE_ONLY_MODEL_FIELDS = ("dtype", "scan_layers", "remat", "gmm_impl")
+COMPUTE_ONLY_MODEL_FIELDS = ("dtype", "scan_layers", "remat", "gmm_impl", "moe_dispatch",
+                             "capacity_factor", "force_balanced_routing")
 
 
 class ConfigError(ValueError):
@@ -97,6 +99,7 @@ class RunConfig:
   data: DataConfig
   train: TrainConfig
   checkpoint: CheckpointConfig
+  mesh: MeshConfig = MeshConfig()
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
     """JSON-ready dict (tuples become lists), as saved in every checkpoint."""
@@ -125,6 +128,7 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
   data = _build(DataConfig, config, "data")
   train = _build(TrainConfig, config, "train")
   checkpoint = _build(CheckpointConfig, config, "checkpoint")
+  mesh = _build(MeshConfig, config, "mesh")
 
   if train.batch_size % process_count:
     raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by the "
@@ -133,7 +137,7 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
     raise ConfigError(f"train.eval_batches={train.eval_batches} but data.eval_fraction=0 holds "
                       "out no documents; set train.eval_batches=0 or data.eval_fraction > 0")
   _check_tokenizer(model, data)
-  return RunConfig(model=model, data=data, train=train, checkpoint=checkpoint)
+  return RunConfig(model=model, data=data, train=train, checkpoint=checkpoint, mesh=mesh)
 
 
 def config_differences(saved: dict[str, Any], current: RunConfig, group: str,

@@ -15,6 +15,7 @@ activations shard on the batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -89,6 +90,15 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
               axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+  """Enters `jax.set_mesh(mesh)` and Flax's `nnx.logical_axis_rules(LOGICAL_RULES)` together, so
+  that model code (shard_map in the MoE) and Flax (`nnx.eval_shape`, sharding metadata) both
+  resolve logical names through this module's table."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
+    yield mesh
+
+
 def check_divisibility(mesh: Mesh, *, num_experts: int, hidden_size: int, batch_size: int) -> None:
   """Fails at start if the mesh does not divide the model or the batch.
 
@@ -115,16 +125,28 @@ def logical_to_spec(names) -> P:
   return P(*(rules.get(n) if n is not None else None for n in names))
 
 
-def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
-  """`NamedSharding` per variable of an nnx.State (from its `out_sharding` logical names;
-  variables without names are replicated)."""
+def state_shardings(tree, mesh: Mesh):
+  """`NamedSharding`s for every array of `tree` (an nnx.State, a TrainState, optimizer state).
 
-  def one(v):
-    names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
-    spec = logical_to_spec(names) if names else P()
-    return NamedSharding(mesh, spec)
+  Arrays inside an `nnx.Variable` are sharded by its logical names (`out_sharding` metadata)
+  through `LOGICAL_RULES`; other arrays (step, RNG, optimizer counts) are replicated. The
+  result has the same pytree structure as `tree`, so it serves as jit in/out shardings,
+  `jax.device_put` targets and Orbax restore shardings.
+  """
 
-  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  def one(x):
+    if isinstance(x, nnx.Variable):
+      names = x.get_metadata().get("out_sharding")
+      return x.replace(NamedSharding(mesh, logical_to_spec(names) if names else P()))
+    return NamedSharding(mesh, P())
+
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def abstract_with_shardings(abstract_tree, shardings):
+  """`jax.ShapeDtypeStruct` leaves of `abstract_tree` carrying the matching `shardings` leaf."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract_tree, shardings)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

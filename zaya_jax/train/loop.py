@@ -21,11 +21,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from zaya_jax.checkpoint import Checkpointer, with_sharding
-from zaya_jax.config import RunConfig, resolve
+from zaya_jax.checkpoint import Checkpointer
+from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.data import make_eval_batches, make_train_iterator
 from zaya_jax.train.optim import make_optimizer, make_schedule
-from zaya_jax.train.state import TrainState, abstract_model, abstract_train_state, init_train_state
+from zaya_jax.parallel.mesh import (abstract_with_shardings, batch_sharding, check_divisibility, make_mesh,
+                                    use_mesh)
+from zaya_jax.train.state import (TrainState, abstract_model, abstract_train_state, init_train_state,
+                                  train_state_shardings)
 from zaya_jax.train.step import expert_load, make_eval_step, make_train_step
 
 
@@ -62,7 +65,12 @@ class MetricsWriter:
       self._file.close()
 
 
-def evaluate(eval_step, state: TrainState, batches: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
+  """This process's `[B / processes, T]` numpy batch -> global `[B, T]` arrays in `sharding`."""
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def evaluate(eval_step, state: TrainState, batches: list[dict[str, jax.Array]]) -> dict[str, Any]:
   """Mean next-token loss over all masked tokens of `batches`, and expert load [L, X]."""
   loss_sum, tokens, counts_LX = 0.0, 0.0, 0.0
   for batch in batches:
@@ -93,10 +101,24 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   train = cfg.train
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
+  try:
+    mesh = make_mesh(cfg.mesh)
+    check_divisibility(mesh, num_experts=cfg.model.num_experts, hidden_size=cfg.model.hidden_size,
+                       batch_size=train.batch_size)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  with use_mesh(mesh):
+    return _train(cfg, workdir, mesh, is_main)
 
+
+def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool) -> TrainState:
+  """The training loop of `run`, inside the mesh context."""
+  train = cfg.train
   graphdef, params_shape, _ = abstract_model(cfg.model, train.seed)
   tx = make_optimizer(train, params_shape)
   schedule = make_schedule(train)
+  data_sharding = batch_sharding(mesh)
+  state_sharding = train_state_shardings(abstract_train_state(cfg.model, tx, train.seed), mesh)
 
   local_batch = train.batch_size // jax.process_count()
   data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
@@ -104,29 +126,26 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
                                   process_count=jax.process_count())
   eval_batches = []
   if train.eval_batches:
-    eval_batches = make_eval_batches(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
-                                     max_batches=train.eval_batches,
-                                     process_index=jax.process_index(),
-                                     process_count=jax.process_count())
+    eval_batches = [global_batch(b, data_sharding) for b in make_eval_batches(
+        cfg.data, seq_len=train.seq_len, batch_size=local_batch, max_batches=train.eval_batches,
+        process_index=jax.process_index(), process_count=jax.process_count())]
 
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
   latest = ckpt.latest_step()
   if latest is None:
-    state = init_train_state(cfg.model, tx, train.seed)
+    state = init_train_state(cfg.model, tx, train.seed, mesh)
   else:
-    # One device for now; a mesh-aware sharding replaces this with the multi-host work.
-    target = with_sharding(abstract_train_state(cfg.model, tx, train.seed),
-                           jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    target = abstract_with_shardings(abstract_train_state(cfg.model, tx, train.seed), state_sharding)
     state = ckpt.restore(latest, target, data_iter, cfg)
   step = int(state.step)
   if is_main:
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    logging.info("%s at step %d/%d: %.2fM parameters, %d devices, workdir %s",
+    logging.info("%s at step %d/%d: %.2fM parameters, %d devices (%d processes), mesh %s, workdir %s",
                  "Resuming" if latest is not None else "Starting", step, train.num_steps,
-                 n_params / 1e6, jax.device_count(), workdir)
+                 n_params / 1e6, jax.device_count(), jax.process_count(), dict(mesh.shape), workdir)
 
-  train_step = make_train_step(graphdef, tx, schedule)
-  eval_step = make_eval_step(graphdef)
+  train_step = make_train_step(graphdef, tx, schedule, state_sharding, data_sharding)
+  eval_step = make_eval_step(graphdef, state_sharding, data_sharding)
   metrics_out = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), enabled=is_main)
   tokens_per_step = train.batch_size * train.seq_len
   saved_step = latest
@@ -143,7 +162,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   window_start, window_steps = time.perf_counter(), 0
   while step < train.num_steps and not (
       train.max_steps_per_run and steps_this_run >= train.max_steps_per_run):
-    batch = next(data_iter)
+    batch = global_batch(next(data_iter), data_sharding)
     state, metrics = train_step(state, batch)
     step += 1
     steps_this_run += 1
@@ -158,7 +177,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
       metrics_out.write({
           "kind": "train", "step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
           "grad_norm": float(m["grad_norm"]), "tokens": float(m["tokens"]),
-          "tokens_per_s": tok_s, "expert_load": np.asarray(m["expert_load"]).tolist(),
+          "tokens_per_s": tok_s, "moe/dropped_fraction": float(m["moe/dropped_fraction"]),
+          "expert_load": np.asarray(m["expert_load"]).tolist(),
       })
       if is_main:
         logging.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s",

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from zaya_jax.model import ModelConfig, ZayaForCausalLM, init_rngs
+from zaya_jax.parallel.mesh import state_shardings
 
 
 @flax.struct.dataclass
@@ -51,10 +52,11 @@ def abstract_model(model_cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx
 
 
 def init_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
-                     seed: int) -> TrainState:
+                     seed: int, mesh: jax.sharding.Mesh | None = None) -> TrainState:
   """A fresh TrainState at step 0: parameters from `init_rngs(seed)`, zero optimizer moments.
 
-  Built inside `jax.jit`, so the large initialisers run compiled (and, later, sharded).
+  Built inside `jax.jit`, so the large initialisers run compiled; with a `mesh`, every array
+  is created directly in its sharding (`train_state_shardings`), never whole on one device.
   """
 
   def init() -> TrainState:
@@ -67,7 +69,15 @@ def init_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
         rng=jax.random.key_data(jax.random.key(seed)),
     )
 
-  return jax.jit(init)()
+  if mesh is None:
+    return jax.jit(init)()
+  shardings = state_shardings(jax.eval_shape(init), mesh)
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def train_state_shardings(abstract_state: TrainState, mesh: jax.sharding.Mesh) -> TrainState:
+  """NamedShardings of a TrainState on `mesh` (zaya_jax.parallel.mesh.LOGICAL_RULES)."""
+  return state_shardings(abstract_state, mesh)
 
 
 def abstract_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,

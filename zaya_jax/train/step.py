@@ -36,7 +36,8 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array,
 
 
 def _forward(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, batch: Batch):
-  """`(loss_sum, tokens, expert_counts_LX)` of the model on one batch."""
+  """`(loss_sum, tokens, aux)` of the model on one batch (aux: expert_counts [L, X],
+  dropped_tokens [L])."""
   # copy=True: fresh Variables at the current trace level. The balancing biases come from the
   # jit trace while `params` come from the grad trace; nnx.scan inside the model refuses
   # Variables created at another trace level.
@@ -44,7 +45,7 @@ def _forward(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, 
   logits_BTV, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"],
                           return_aux=True)
   loss_sum, tokens = cross_entropy(logits_BTV, batch["targets"], batch["loss_mask"])
-  return loss_sum, tokens, aux["expert_counts"]
+  return loss_sum, tokens, aux
 
 
 def expert_load(counts_LX: jax.Array) -> jax.Array:
@@ -64,10 +65,11 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   """
 
   def loss_fn(params):
-    loss_sum, tokens, counts_LX = _forward(graphdef, params, state.model_state, batch)
-    return loss_sum / jnp.maximum(tokens, 1.0), (tokens, counts_LX)
+    loss_sum, tokens, aux = _forward(graphdef, params, state.model_state, batch)
+    return loss_sum / jnp.maximum(tokens, 1.0), (tokens, aux)
 
-  (loss, (tokens, counts_LX)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  (loss, (tokens, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  counts_LX = aux["expert_counts"]
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
@@ -76,23 +78,34 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       "lr": jnp.asarray(schedule(state.step), jnp.float32),
       "tokens": tokens,
       "expert_load": expert_load(counts_LX),
+      "moe/dropped_fraction": jnp.sum(aux["dropped_tokens"]) / jnp.maximum(jnp.sum(counts_LX), 1.0),
   }
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> Metrics:
   """Sums for one eval batch: `loss_sum`, `tokens` (float32 []), `expert_counts` [L, X]."""
-  loss_sum, tokens, counts_LX = _forward(graphdef, state.params, state.model_state, batch)
-  return {"loss_sum": loss_sum, "tokens": tokens, "expert_counts": counts_LX}
+  loss_sum, tokens, aux = _forward(graphdef, state.params, state.model_state, batch)
+  return {"loss_sum": loss_sum, "tokens": tokens, "expert_counts": aux["expert_counts"]}
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-  """`train_step` with the static parts bound, jitted; the input state's buffers are donated."""
+                    schedule: optax.Schedule, state_shardings=None,
+                    batch_sharding=None) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  """`train_step` with the static parts bound, jitted; the input state's buffers are donated.
+
+  With `state_shardings` (a TrainState of NamedShardings) and `batch_sharding`, the step keeps
+  the state in its sharding and metrics replicated; call it inside `jax.set_mesh(mesh)`.
+  """
+  kw = {}
+  if state_shardings is not None:
+    kw = dict(in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None))
   return jax.jit(lambda state, batch: train_step(graphdef, tx, schedule, state, batch),
-                 donate_argnums=0)
+                 donate_argnums=0, **kw)
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[TrainState, Batch], Metrics]:
-  """`eval_step` with the graph bound, jitted."""
-  return jax.jit(lambda state, batch: eval_step(graphdef, state, batch))
+def make_eval_step(graphdef: nnx.GraphDef, state_shardings=None,
+                   batch_sharding=None) -> Callable[[TrainState, Batch], Metrics]:
+  """`eval_step` with the graph bound, jitted (shardings as in `make_train_step`)."""
+  kw = {} if state_shardings is None else dict(in_shardings=(state_shardings, batch_sharding))
+  return jax.jit(lambda state, batch: eval_step(graphdef, state, batch), **kw)
