@@ -21,7 +21,10 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from zaya_jax.config import COMPUTE_ONLY_MODEL_FIELDS, CheckpointConfig, RunConfig, config_differences
+from absl import logging
+
+from zaya_jax.config import (COMPUTE_ONLY_MODEL_FIELDS, CheckpointConfig, ConfigError, RunConfig,
+                             config_differences)
 
 if TYPE_CHECKING:  # zaya_jax.train imports this module; a runtime import would be circular.
   from zaya_jax.train.state import TrainState
@@ -106,8 +109,12 @@ class Checkpointer:
                        "checkpoint? Pass a fresh --workdir to start over.") from e
     diffs = config_differences(saved, config, "model", ignore=COMPUTE_ONLY_MODEL_FIELDS)
     if diffs:
-      raise ValueError(f"checkpoint {path} was written for another model: {'; '.join(diffs)}. "
-                       "Use the same model config to resume, or a fresh --workdir.")
+      raise ConfigError(f"checkpoint {path} was written for another model: {'; '.join(diffs)}. "
+                        "Use the same model config to resume, or a fresh --workdir.")
+    data_diffs = config_differences(saved, config, "data")
+    if data_diffs:
+      logging.warning("resuming %s with a different data config (%s): the saved iterator "
+                      "position is applied to the new data", path, "; ".join(data_diffs))
     model_state = nnx.merge_state(abstract_state.params, abstract_state.model_state)
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(

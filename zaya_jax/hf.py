@@ -185,6 +185,9 @@ def load_pretrained(hf_dir: str, dtype=jnp.float32, **config_overrides) -> ZayaF
     FileNotFoundError: no config.json / safetensors in `hf_dir`.
     ValueError: a tensor is missing, unexpected, or has the wrong shape (named in the message).
   """
+  if not os.path.isdir(hf_dir):
+    raise FileNotFoundError(f"{hf_dir}: no such directory (load_pretrained reads a local "
+                            "save_pretrained directory; nothing is downloaded)")
   cfg_path = os.path.join(hf_dir, "config.json")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{hf_dir}: no config.json")

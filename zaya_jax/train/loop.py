@@ -49,6 +49,21 @@ def quiet_library_logs() -> None:
     handler.addFilter(_QuietLibraries())
 
 
+def _truncate_metrics(path: str, step: int) -> None:
+  """Drops records after `step` (written by a run that died after its last checkpoint), so a
+  resumed run's `metrics.jsonl` has one record per (kind, step)."""
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    lines = f.readlines()
+  keep = [l for l in lines if l.strip() and json.loads(l).get("step", 0) <= step]
+  if len(keep) != len(lines):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(keep)
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
   """Appends JSON lines to `workdir/metrics.jsonl` (process 0 only; others write nothing)."""
 
@@ -100,7 +115,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   cfg: RunConfig = resolve(config, process_count=jax.process_count())
   train = cfg.train
   is_main = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir={workdir} exists and is not a directory; pass a directory path")
   try:
     mesh = make_mesh(cfg.mesh)
     check_divisibility(mesh, num_experts=cfg.model.num_experts, hidden_size=cfg.model.hidden_size,
@@ -121,15 +137,19 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
   state_sharding = train_state_shardings(abstract_train_state(cfg.model, tx, train.seed), mesh)
 
   local_batch = train.batch_size // jax.process_count()
-  data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
-                                  seed=train.seed, process_index=jax.process_index(),
-                                  process_count=jax.process_count())
-  eval_batches = []
-  if train.eval_batches:
-    eval_batches = [global_batch(b, data_sharding) for b in make_eval_batches(
-        cfg.data, seq_len=train.seq_len, batch_size=local_batch, max_batches=train.eval_batches,
-        process_index=jax.process_index(), process_count=jax.process_count())]
+  try:  # Bad data settings (no files, missing text field, ...) are user errors: one line.
+    data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
+                                    seed=train.seed, process_index=jax.process_index(),
+                                    process_count=jax.process_count())
+    eval_batches = []
+    if train.eval_batches:
+      eval_batches = [global_batch(b, data_sharding) for b in make_eval_batches(
+          cfg.data, seq_len=train.seq_len, batch_size=local_batch, max_batches=train.eval_batches,
+          process_index=jax.process_index(), process_count=jax.process_count())]
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
 
+  os.makedirs(workdir, exist_ok=True)  # only once the config and the data are known to be good
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
   latest = ckpt.latest_step()
   if latest is None:
@@ -138,6 +158,12 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
     target = abstract_with_shardings(abstract_train_state(cfg.model, tx, train.seed), state_sharding)
     state = ckpt.restore(latest, target, data_iter, cfg)
   step = int(state.step)
+  if latest is not None and is_main:
+    _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), step)
+  if step >= train.num_steps and is_main:
+    logging.warning("checkpoint step %d >= train.num_steps=%d: nothing to train; raise "
+                    "--config.train.num_steps to continue (the cosine schedule stretches to it)",
+                    step, train.num_steps)
   if is_main:
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     logging.info("%s at step %d/%d: %.2fM parameters, %d devices (%d processes), mesh %s, workdir %s",
