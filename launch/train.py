@@ -4,14 +4,22 @@ Override any config field from the command line (a misspelt field is an error):
   --config.train.lr=1e-3 --config.model.num_layers=2 \
   --config.model.layer_types="('hybrid','hybrid_sliding')"
 Running the same command again resumes from the newest checkpoint in DIR/checkpoints.
-Intentionally short: all logic lives in `zaya_jax.train.run`.
+
+Multi-host: under `srun` (SLURM) or `mpirun` (Open MPI) with several tasks the processes
+find each other; elsewhere start one process per host with the same command plus
+  --coordinator_address=HOST0:PORT --num_processes=N --process_id=I
+(see zaya_jax/distributed.py and launch/slurm/). Every process needs the same --workdir on
+a shared filesystem: all of them write checkpoints, process 0 alone writes metrics.jsonl.
+Intentionally short: all logic lives in `zaya_jax.distributed` and `zaya_jax.train.run`.
 """
 
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from zaya_jax import distributed
 from zaya_jax.config import ConfigError
 from zaya_jax.train import run
 
@@ -19,14 +27,45 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for checkpoints and metrics.jsonl; rerun to resume.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0, for a hand-started multi-process run.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's rank in [0, num_processes).")
+_LOCAL_DEVICE_IDS = flags.DEFINE_list(
+    "local_device_ids", None, "Local devices this process uses, e.g. 0,1 (default: JAX's choice).")
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    "initialization_timeout", distributed.INITIALIZATION_TIMEOUT_S,
+    "Seconds to wait for all processes to join before failing.")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", distributed.HEARTBEAT_TIMEOUT_S,
+    "Seconds without a heartbeat after which a process counts as dead and the others exit.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def parse_flags(argv):
+  """absl flag parsing, with a misspelt or mistyped `--config.*` override as one line."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f"invalid flags: {e}\nSee --help.")
+  except (KeyError, AttributeError, TypeError, ValueError) as e:  # raised by config_flags
+    msg = e.args[0] if e.args else str(e)
+    sys.exit(f"invalid config override: {msg}".replace("\\n", " ").replace("\n", " "))
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  # Multi-host (jax.distributed.initialize) and the device mesh arrive with sharding support.
-  logging.info("config:\n%s", _CONFIG.value)
+  try:  # Before any JAX computation: the backend must not exist yet.
+    method = distributed.maybe_initialize(
+        _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+        local_device_ids=[int(i) for i in _LOCAL_DEVICE_IDS.value] if _LOCAL_DEVICE_IDS.value else None,
+        initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT.value)
+  except ValueError as e:  # Inconsistent multi-process flags: one line, no traceback.
+    sys.exit(f"invalid flags: {e}")
+  if jax.process_index() == 0:
+    logging.info("%s: %s", f"distributed ({method})" if method else "single process", distributed.describe())
+    logging.info("config:\n%s", _CONFIG.value)
   try:
     run(_CONFIG.value, _WORKDIR.value)
   except ConfigError as e:  # A user error: print the field and the fix, no traceback.
@@ -34,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

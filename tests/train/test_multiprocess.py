@@ -1,0 +1,190 @@
+"""Multi-controller training: 2 processes x 4 CPU devices == 1 process x 8 devices.
+
+Runs the real CLI (`python -m launch.train`) in subprocesses on a very small config with a
+(data=2, expert=4) mesh; the two-process run talks over a coordinator on 127.0.0.1 and gloo
+collectives. Every subprocess is bounded by a timeout, after which all of them are killed.
+
+Each process reads only its own documents (refs[process::processes]), so the two runs see the
+same global batches only for a corpus built for it: 8 documents of exactly T+1 tokens, so each
+document is one packed row, and a global batch of 8 rows is one epoch, i.e. all documents
+(in another order). The loss is a mean over tokens, so the runs agree up to summation order.
+
+No persistent compilation cache here (unlike test_resume.py): in jax 0.10.2 the cache key
+differs per process and only process 0 writes entries, so process 0 would load its step from
+the cache while process 1 compiles, and gloo gives up on the first collective after 30 s.
+"""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zaya_jax import distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+T, B, STEPS = 32, 8, 4  # tokens per row, rows per global batch, optimizer steps per run
+TIMEOUT_S = 240  # per run, all processes together
+
+OVERRIDES = [
+    "--config.model.hidden_size=32",
+    "--config.model.num_layers=2",
+    "--config.model.layer_types=('hybrid','hybrid_sliding')",
+    "--config.model.sliding_window=8",
+    "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=2",
+    "--config.model.head_dim=16",
+    "--config.model.num_experts=4",
+    "--config.model.moe_intermediate_size=32",
+    "--config.model.router_hidden_size=16",
+    f"--config.train.seq_len={T}",
+    f"--config.train.batch_size={B}",
+    "--config.train.num_steps=1000",  # the equality test stops after max_steps_per_run=STEPS
+    "--config.train.warmup_steps=1",
+    "--config.train.log_every=1",
+    "--config.train.eval_batches=0",
+    "--config.data.eval_fraction=0",
+    "--config.checkpoint.every_steps=0",  # one checkpoint, at the end
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=1",
+    "--config.mesh.expert=4",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """8 documents of T-1 bytes: with bos and eos each is exactly one row of T tokens."""
+  rng = random.Random(0)
+  docs = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(T - 1)) for _ in range(B)]
+  path = tmp_path_factory.mktemp("corpus") / "docs.json"
+  path.write_text(json.dumps(docs))
+  return path
+
+
+def launch(workdir, corpus_path, devices, *extra, log=None):
+  """Starts `python -m launch.train` with `devices` fake CPU devices; output goes to `log`."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+  cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
+         f"--workdir={workdir}", f"--config.data.source={corpus_path}", *OVERRIDES, *extra]
+  out = open(log, "w") if log else subprocess.DEVNULL  # a file: a full pipe would stall a peer
+  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def free_port():
+  """A TCP port that was free a moment ago (bound to port 0, then released)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch_pair(workdir, corpus_path, tmp_path, *extra):
+  """Two processes x 4 devices on a fresh local coordinator port."""
+  address = f"127.0.0.1:{free_port()}"
+  return [launch(workdir, corpus_path, 4, f"--coordinator_address={address}",
+                 "--num_processes=2", f"--process_id={i}", *extra, log=tmp_path / f"proc{i}.log")
+          for i in range(2)]
+
+
+def wait_all(procs, timeout):
+  """Waits for every process until a shared deadline; kills them all if it passes."""
+  deadline = time.monotonic() + timeout
+  try:
+    return [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+      p.wait()
+    raise
+
+
+def tail(tmp_path, name, n=4000):
+  return (tmp_path / name).read_text()[-n:]
+
+
+def losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path, corpus):
+  one, two = tmp_path / "one", tmp_path / "two"
+  limit = f"--config.train.max_steps_per_run={STEPS}"
+  codes = wait_all([launch(one, corpus, 8, limit, log=tmp_path / "single.log")], TIMEOUT_S)
+  assert codes == [0], tail(tmp_path, "single.log")
+
+  procs = launch_pair(two, corpus, tmp_path, limit)
+  codes = wait_all(procs, TIMEOUT_S)
+  assert codes == [0, 0], (tail(tmp_path, "proc0.log"), tail(tmp_path, "proc1.log"))
+  log0 = (tmp_path / "proc0.log").read_text()
+  assert "distributed (explicit): 2 processes, 8 devices" in log0, log0[-4000:]
+
+  a, b = losses(one), losses(two)
+  print("1 process x 8 devices:", a, "\n2 processes x 4 devices:", b)
+  assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+  for step in a:
+    assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+  assert a[STEPS] < a[1]  # it trains
+
+  # Both processes wrote their part of the final checkpoint, data iterator states included.
+  step_dir = two / "checkpoints" / str(STEPS)
+  assert step_dir.is_dir(), os.listdir(two / "checkpoints")
+  files = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()}
+  for i in range(2):
+    assert any(f"process_{i}" in f for f in files), sorted(files)
+
+
+@pytest.mark.slow
+def test_dead_peer_makes_the_other_exit(tmp_path, corpus):
+  """Process 1 is killed once both have built the sharded train state; process 0, compiling or
+  blocked in the first step's collectives, is terminated by the heartbeat check instead."""
+  procs = launch_pair(tmp_path / "run", corpus, tmp_path, "--heartbeat_timeout=10")
+  deadline = time.monotonic() + TIMEOUT_S
+  while "Starting at step 0" not in (tmp_path / "proc0.log").read_text():
+    assert time.monotonic() < deadline, tail(tmp_path, "proc0.log")
+    assert all(p.poll() is None for p in procs), (tail(tmp_path, "proc0.log"), tail(tmp_path, "proc1.log"))
+    time.sleep(0.2)
+  procs[1].send_signal(signal.SIGKILL)
+  procs[1].wait()
+  start = time.monotonic()
+  code = wait_all([procs[0]], 60)  # heartbeat 10 s; raises (and kills) if it hangs
+  print(f"survivor exited with {code} after {time.monotonic() - start:.1f} s")
+  assert code != 0, tail(tmp_path, "proc0.log")
+
+
+@pytest.mark.slow
+def test_missing_peer_fails_initialization(tmp_path, corpus):
+  address = f"127.0.0.1:{free_port()}"
+  proc = launch(tmp_path / "run", corpus, 4, f"--coordinator_address={address}",
+                "--num_processes=2", "--process_id=0", "--initialization_timeout=5",
+                log=tmp_path / "proc0.log")
+  code = wait_all([proc], 90)
+  assert code != 0, tail(tmp_path, "proc0.log")
+
+
+def test_flags_are_all_or_nothing():
+  assert not distributed.check_flags(None, None, None)
+  assert distributed.check_flags("10.0.0.1:1234", 2, 1)
+  with pytest.raises(ValueError, match="missing --num_processes, --process_id"):
+    distributed.check_flags("10.0.0.1:1234", None, None)
+  with pytest.raises(ValueError, match="must be HOST:PORT"):
+    distributed.check_flags("10.0.0.1", 2, 0)
+  with pytest.raises(ValueError, match=r"--process_id=2 must be in \[0, 2\)"):
+    distributed.check_flags("10.0.0.1:1234", 2, 2)
+
+
+def test_detect_cluster():
+  slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "0",
+           "SLURM_LOCALID": "0"}
+  assert distributed.detect_cluster({**slurm, "SLURM_NTASKS": "2"}) == "slurm"
+  assert distributed.detect_cluster({**slurm, "SLURM_NTASKS": "1"}) is None  # one task: no-op
+  assert distributed.detect_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}) is None  # sbatch, not srun
+  assert distributed.detect_cluster({"OMPI_COMM_WORLD_SIZE": "4"}) == "ompi"
+  assert distributed.detect_cluster({}) is None
