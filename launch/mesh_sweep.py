@@ -1,0 +1,73 @@
+"""Compile the training step on several mesh shapes and compare memory, FLOPs and collectives.
+
+  python -m launch.mesh_sweep --config=configs/zaya1_tiny.py --meshes="1,1,8;2,1,4" \
+      --dispatches=allgather,all_to_all --steps=3 --out=/tmp/sweep
+  python -m launch.mesh_sweep --config=configs/zaya1_base.py --meshes="1,8,1;1,1,8;2,1,4" \
+      --compile_only --batch_size=8 --seq_len=4096 --out=/tmp/sweep_base
+
+Meshes are `data,fsdp,expert`, separated by `;`; their product must equal the device count.
+On a CPU-only host run with `XLA_FLAGS=--xla_force_host_platform_device_count=8` (the tool
+asks for `--num_cpu_devices` fake devices itself when XLA_FLAGS does not set them); the
+figures then characterise those fake CPU devices, not GPUs. `--compile_only` lowers on
+abstract inputs only, so configs far too large for this host (zaya1_base, 8.3B parameters)
+still report memory, FLOPs and collectives. `ragged_all_to_all` cannot compile on XLA:CPU:
+its rows are lowered only. Batches are synthetic tokens: no data or tokenizer is read.
+Writes OUT/mesh_sweep.csv and OUT/mesh_sweep.png. All logic lives in
+`zaya_jax.parallel.mesh_sweep`.
+"""
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from zaya_jax.config import ConfigError
+from zaya_jax.parallel import mesh_sweep
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
+_MESHES = flags.DEFINE_string("meshes", "1,1,8;2,1,4;1,2,4",
+                              "Mesh shapes data,fsdp,expert separated by ';'.")
+_DISPATCHES = flags.DEFINE_list(
+    "dispatches", None, "MoE dispatch paths to compare (allgather, all_to_all, "
+    "ragged_all_to_all, ...); default: the config's model.moe_dispatch.")
+_COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile and analyse only; no steps run.")
+_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per row (after one warm-up step).")
+_BATCH = flags.DEFINE_integer("batch_size", None, "Global batch; default config.train.batch_size.")
+_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence; default config.train.seq_len.")
+_NUM_CPU = flags.DEFINE_integer("num_cpu_devices", 8, "Fake CPU devices when XLA_FLAGS sets none.")
+_OUT = flags.DEFINE_string("out", None, "Output folder for mesh_sweep.csv and mesh_sweep.png.")
+flags.mark_flags_as_required(["config", "out"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  mesh_sweep.use_cpu_devices(_NUM_CPU.value)
+  try:
+    model_cfg, train_cfg = mesh_sweep.sweep_configs(_CONFIG.value)
+    meshes = mesh_sweep.parse_meshes(_MESHES.value)
+  except (ConfigError, ValueError) as e:
+    sys.exit(f"invalid arguments: {e}")
+  batch = _BATCH.value or train_cfg.batch_size
+  seq = _SEQ.value or train_cfg.seq_len
+  note = mesh_sweep.host_note()
+  print(note, flush=True)
+  rows = mesh_sweep.run_sweep(model_cfg, train_cfg, meshes, _DISPATCHES.value or [None],
+                              batch_size=batch, seq_len=seq,
+                              steps=0 if _COMPILE_ONLY.value else _STEPS.value)
+  os.makedirs(_OUT.value, exist_ok=True)
+  mesh_sweep.write_csv(rows, os.path.join(_OUT.value, "mesh_sweep.csv"))
+  mesh_sweep.plot(rows, os.path.join(_OUT.value, "mesh_sweep.png"),
+                  f"{_CONFIG.value.model.num_layers} layers, batch {batch} x seq {seq}. {note}")
+  print(f"\nbatch {batch} x seq {seq}, per device; collectives per step, all layers. {note}")
+  print(mesh_sweep.format_table(rows))
+  print("\nMoE token exchange per device per step (off-shard bytes) vs analytic minimum "
+        "(tokens x D x bytes x 2 directions x (n-1)/n x layers x fwd+bwd):")
+  print(mesh_sweep.format_exchange_table(rows))
+  print(f"\nwrote {_OUT.value}/mesh_sweep.csv and mesh_sweep.png")
+
+
+if __name__ == "__main__":
+  app.run(main)
