@@ -30,8 +30,15 @@ from zaya_jax.parallel.dispatch import LocalDispatch, make_dispatcher, resolve_d
 from zaya_jax.parallel.mesh import BATCH_AXES, EXPERT
 
 
-def _experts_on_shard(dispatcher, gmm_impl, x_MD, class_M, w_gate, w_up, w_down):
-  """dispatch -> local grouped SwiGLU -> combine, on one shard's tokens."""
+def _experts_on_shard(dispatcher, gmm_impl, x_MD, class_M, w_gate, w_up, w_down, vary_axes=()):
+  """dispatch -> local grouped SwiGLU -> combine, on one shard's tokens.
+
+  `vary_axes`: mesh axes over which the expert weights enter replicated (data, fsdp). Marking
+  them varying here makes their gradient a per-shard `[e, D, F]` sum that shard_map's
+  boundary psums once, instead of psumming every intermediate (e.g. per-tile weight copies).
+  """
+  if vary_axes:
+    w_gate, w_up, w_down = (jax.lax.pcast(w, vary_axes, to="varying") for w in (w_gate, w_up, w_down))
   rows_PD, group_sizes, meta = dispatcher.dispatch(x_MD, class_M)
   y_PD = swiglu_experts(rows_PD, w_gate, w_up, w_down, group_sizes, gmm_impl)
   return dispatcher.combine(y_PD, meta)
@@ -58,7 +65,8 @@ class MoE(nnx.Module):
       return _experts_on_shard(LocalDispatch(self.num_experts), self.gmm_impl, x_MD, class_M, *weights)
     name = resolve_dispatch(self.moe_dispatch, mesh.shape[EXPERT])
     dispatcher = make_dispatcher(name, self.num_experts, self.capacity_factor)
-    body = functools.partial(_experts_on_shard, dispatcher, self.gmm_impl)
+    body = functools.partial(_experts_on_shard, dispatcher, self.gmm_impl,
+                             vary_axes=tuple(a for a in BATCH_AXES if a != EXPERT))
     tokens, experts = P(BATCH_AXES), P(EXPERT)
     return jax.shard_map(body, in_specs=(tokens, tokens, experts, experts, experts),
                          out_specs=(tokens, tokens))(x_MD, class_M, *weights)
