@@ -83,7 +83,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else devices
   sizes = cfg.shape(len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
-  if devices is None or len(devices) == len(jax.devices()):
+  if len(devices) == len(jax.devices()):  # all devices: let JAX order them for the topology
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                          devices=devices)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
