@@ -56,7 +56,13 @@ def _truncate_metrics(path: str, step: int) -> None:
     return
   with open(path, encoding="utf-8") as f:
     lines = f.readlines()
-  keep = [l for l in lines if l.strip() and json.loads(l).get("step", 0) <= step]
+  def before_resume(line: str) -> bool:
+    try:
+      return json.loads(line).get("step", 0) <= step
+    except json.JSONDecodeError:  # a line cut short by a killed process
+      return False
+
+  keep = [l for l in lines if l.strip() and before_resume(l)]
   if len(keep) != len(lines):
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
