@@ -114,9 +114,7 @@ def _to_ours(kind: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
   """One HF tensor (one layer, shape `_hf_shape(kind, shape)`) -> our layout of `shape`."""
   if kind in ("copy", "flat"):
     return w.reshape(shape)
-  if kind == "linear":  # [prod(out), in] -> [in, *out]
-    return w.T.reshape(shape)
-  if kind == "linear_out":  # [out, prod(in)] -> [*in, out]
+  if kind in ("linear", "linear_out"):  # [prod(out), in] -> [in, *out]; [out, prod(in)] -> [*in, out]
     return w.T.reshape(shape)
   if kind == "conv_depthwise":  # [C, 1, W0] -> [W0, J, H]
     return w[:, 0, :].T.reshape(shape)

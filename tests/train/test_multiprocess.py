@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from tests.train.tiny_cli import MODEL_OVERRIDES
 from zaya_jax import distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,16 +33,7 @@ T, B, STEPS = 32, 8, 4  # tokens per row, rows per global batch, optimizer steps
 TIMEOUT_S = 240  # per run, all processes together
 
 OVERRIDES = [
-    "--config.model.hidden_size=32",
-    "--config.model.num_layers=2",
-    "--config.model.layer_types=('hybrid','hybrid_sliding')",
-    "--config.model.sliding_window=8",
-    "--config.model.num_heads=2",
-    "--config.model.num_kv_heads=2",
-    "--config.model.head_dim=16",
-    "--config.model.num_experts=4",
-    "--config.model.moe_intermediate_size=32",
-    "--config.model.router_hidden_size=16",
+    *MODEL_OVERRIDES,
     f"--config.train.seq_len={T}",
     f"--config.train.batch_size={B}",
     "--config.train.num_steps=1000",  # the equality test stops after max_steps_per_run=STEPS

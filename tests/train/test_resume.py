@@ -12,20 +12,13 @@ import sys
 
 import pytest
 
+from tests.train.tiny_cli import MODEL_OVERRIDES
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 3  # steps before the interruption
 
 OVERRIDES = [
-    "--config.model.hidden_size=32",
-    "--config.model.num_layers=2",
-    "--config.model.layer_types=('hybrid','hybrid_sliding')",
-    "--config.model.sliding_window=8",
-    "--config.model.num_heads=2",
-    "--config.model.num_kv_heads=2",
-    "--config.model.head_dim=16",
-    "--config.model.num_experts=4",
-    "--config.model.moe_intermediate_size=32",
-    "--config.model.router_hidden_size=16",
+    *MODEL_OVERRIDES,
     "--config.train.seq_len=32",
     "--config.train.batch_size=2",
     f"--config.train.num_steps={2 * N}",

@@ -140,7 +140,8 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
   tx = make_optimizer(train, params_shape)
   schedule = make_schedule(train)
   data_sharding = batch_sharding(mesh)
-  state_sharding = train_state_shardings(abstract_train_state(cfg.model, tx, train.seed), mesh)
+  abstract_state = abstract_train_state(cfg.model, tx, train.seed)
+  state_sharding = train_state_shardings(abstract_state, mesh)
 
   local_batch = train.batch_size // jax.process_count()
   try:  # Bad data settings (no files, missing text field, ...) are user errors: one line.
@@ -161,7 +162,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
   if latest is None:
     state = init_train_state(cfg.model, tx, train.seed, mesh)
   else:
-    target = abstract_with_shardings(abstract_train_state(cfg.model, tx, train.seed), state_sharding)
+    target = abstract_with_shardings(abstract_state, state_sharding)
     state = ckpt.restore(latest, target, data_iter, cfg)
   step = int(state.step)
   if latest is not None and is_main:
