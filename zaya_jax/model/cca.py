@@ -109,14 +109,20 @@ class CCA(nnx.Module):
     return q_BTNH, k_BTKH, v_BTKH
 
   def qk_norm(self, q_BTNH: jax.Array, k_BTKH: jax.Array):
-    """`x * sqrt(H) / max(||x||, eps)` (eps = machine epsilon of the compute dtype); keys times `temp`."""
+    """`x * sqrt(H) / max(||x||, eps)` (eps = machine epsilon of the compute dtype); keys times `temp`.
+
+    Written as `rsqrt(max(||x||^2, eps^2))`: the same value, but a zero vector (a padding
+    token, which the segment-masked convolutions zero) gets a zero gradient. Through
+    `jnp.linalg.norm` it would get NaN (d||x||/dx = x / ||x|| = 0/0), poisoning every weight.
+    """
     dtype = q_BTNH.dtype
-    eps = jnp.finfo(dtype).eps
+    eps = float(jnp.finfo(dtype).eps)
     scale = self.cfg.head_dim ** 0.5
 
     def norm(x):
       x32 = x.astype(jnp.float32)
-      return x32 * (scale / jnp.maximum(jnp.linalg.norm(x32, axis=-1, keepdims=True), eps))
+      sumsq = jnp.sum(jnp.square(x32), axis=-1, keepdims=True)
+      return x32 * (scale * jax.lax.rsqrt(jnp.maximum(sumsq, eps * eps)))
 
     k = norm(k_BTKH) * self.temp[...][:, None]
     return norm(q_BTNH).astype(dtype), k.astype(dtype)
