@@ -9,6 +9,7 @@ checkpointing and (later) sharding simple.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax
@@ -31,6 +32,10 @@ class TrainState:
     model_state: nnx.State of the model's other variables (router balancing biases, float32).
     opt_state: optax state of the optimizer over `params`.
     rng: uint32 [2], raw PRNG key data of the training key (split per step when needed).
+    skipped_steps: int32 [], updates skipped so far because the loss or a gradient was not
+      finite (`train/skipped_steps`); skipped updates still advance `step`.
+    consecutive_skips: int32 [], skipped updates since the last applied one (the loop rolls
+      back to the last checkpoint once it reaches `train.max_consecutive_skips`).
   """
 
   step: jax.Array
@@ -38,6 +43,9 @@ class TrainState:
   model_state: nnx.State
   opt_state: Any
   rng: jax.Array
+  skipped_steps: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
+  consecutive_skips: jax.Array = dataclasses.field(
+      default_factory=lambda: jnp.zeros((), jnp.int32))
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
