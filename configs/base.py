@@ -79,6 +79,13 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 50  # steps between train log lines / metrics.jsonl records
   t.eval_every = 1_000  # steps between evaluations (and one at the end); 0 = only at the end
   t.eval_batches = 16  # batches of `batch_size` sequences in each evaluation
+  # Fault tolerance (zaya_jax/train/loop.py). An update whose loss or gradient is not finite is
+  # skipped (counted in metrics as skipped_steps); after this many in a row the run restores
+  # the last checkpoint. 0 = keep skipping, never roll back.
+  t.max_consecutive_skips = 10
+  t.skip_data_on_rollback = True  # after a rollback, continue with the batches after the bad ones
+  t.step_timeout_s = 0.0  # seconds; a train step/eval/save slower than this (a hung collective) dumps all stacks and exits 3; 0 = off
+  t.inject_nan_at_steps = ml_collections.FieldReference((), field_type=tuple)  # TEST ONLY: NaN loss/grads at these steps
 
   # --- checkpoint ---------------------------------------------------------------------------
   c = config.checkpoint = ml_collections.ConfigDict()

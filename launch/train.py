@@ -20,6 +20,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from zaya_jax import distributed
+from zaya_jax.checkpoint import CorruptCheckpointError
 from zaya_jax.config import ConfigError
 from zaya_jax.train import run
 
@@ -70,6 +71,8 @@ def main(argv):
     run(_CONFIG.value, _WORKDIR.value)
   except ConfigError as e:  # A user error: print the field and the fix, no traceback.
     sys.exit(f"invalid config: {e}")
+  except CorruptCheckpointError as e:  # No checkpoint in --workdir reads back intact.
+    sys.exit(f"cannot resume: {e}")
 
 
 if __name__ == "__main__":

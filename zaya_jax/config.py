@@ -50,12 +50,26 @@ class TrainConfig:
   log_every: int = 50  # steps between log lines
   eval_every: int = 1_000  # steps between evaluations; 0 = only at the end
   eval_batches: int = 16  # batches per evaluation; 0 = no evaluation
+  max_consecutive_skips: int = 10  # non-finite updates in a row before rolling back; 0 = never
+  skip_data_on_rollback: bool = True  # after a rollback, keep reading after the offending batches
+  step_timeout_s: float = 0.0  # watchdog: dump stacks and exit if a step hangs this long; 0 = off
+  inject_nan_at_steps: tuple[int, ...] = ()  # TEST ONLY: make these updates' loss and grads NaN
 
   def __post_init__(self):
     for f in ("num_steps", "batch_size", "seq_len", "log_every"):
       _positive_int(self, "train", f)
-    for f in ("seed", "max_steps_per_run", "warmup_steps", "eval_every", "eval_batches"):
+    for f in ("seed", "max_steps_per_run", "warmup_steps", "eval_every", "eval_batches",
+              "max_consecutive_skips"):
       _nonnegative_int(self, "train", f)
+    if not isinstance(self.skip_data_on_rollback, bool):
+      raise ConfigError(f"train.skip_data_on_rollback={self.skip_data_on_rollback!r} must be "
+                        "True or False")
+    if not (isinstance(self.step_timeout_s, (int, float)) and self.step_timeout_s >= 0):
+      raise ConfigError(f"train.step_timeout_s={self.step_timeout_s!r} must be >= 0 seconds "
+                        "(0 = no watchdog)")
+    if not all(isinstance(s, int) and s >= 1 for s in self.inject_nan_at_steps):
+      raise ConfigError(f"train.inject_nan_at_steps={self.inject_nan_at_steps!r} must be a tuple "
+                        "of steps >= 1 (a test-only fault injection; leave it empty)")
     if self.warmup_steps >= self.num_steps:
       raise ConfigError(
           f"train.warmup_steps={self.warmup_steps} must be < train.num_steps={self.num_steps}; "

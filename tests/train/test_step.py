@@ -10,7 +10,7 @@ from flax import nnx
 
 from configs import zaya1_tiny
 from zaya_jax.config import TrainConfig, resolve
-from zaya_jax.model import BalancingBias, ZayaForCausalLM
+from zaya_jax.model import BalancingBias
 from zaya_jax.train import (cross_entropy, decay_mask, init_train_state, make_optimizer,
                             make_schedule, train_step)
 from zaya_jax.train.optim import per_layer_ndim
@@ -118,3 +118,31 @@ def test_weight_decay_only_on_matrices():
   assert {"embed_tokens", "layers/self_attn/q_proj", "layers/mlp/experts/w_up",
           "layers/mlp/router/down_proj"} <= decayed
   assert "layers/input_layernorm/weight" not in decayed  # [L, D]: a vector per layer
+
+
+def test_non_finite_update_is_skipped_and_counted(setup):
+  """A poisoned update leaves params and optimizer state bit-identical, advances the step and
+  counts the skip; the next clean update applies and resets the consecutive count."""
+  model_cfg, graphdef, state, _ = setup
+  train_cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-2, batch_size=2, seq_len=12)
+  _, params_shape, _ = abstract_model(model_cfg, seed=0)
+  tx = make_optimizer(train_cfg, params_shape)
+  step = jax.jit(lambda s, b, p: train_step(graphdef, tx, make_schedule(train_cfg), s, b, p))
+  batch = random_batch(np.random.default_rng(1))
+  s1, m1 = step(state, batch, np.bool_(False))
+  s2, m2 = step(s1, batch, np.bool_(True))
+  assert np.isnan(m2["loss"]) and float(m2["skipped"]) == 1.0
+  assert int(s2.step) == 2 and int(s2.skipped_steps) == 1 and int(s2.consecutive_skips) == 1
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), (s1.params, s1.opt_state),
+                      (s2.params, s2.opt_state))
+  assert all(jax.tree.leaves(same))
+  s3, m3 = step(s2, batch, np.bool_(True))
+  assert int(s3.consecutive_skips) == 2 and int(s3.skipped_steps) == 2
+  s4, m4 = step(s3, batch, np.bool_(False))
+  assert np.isfinite(m4["loss"]) and float(m4["skipped"]) == 0.0
+  assert int(s4.consecutive_skips) == 0 and int(s4.skipped_steps) == 2
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), s3.params, s4.params)
+  assert any(jax.tree.leaves(changed))
+  # The clean update after the skips sees s1's parameters (nothing of the NaN leaked in).
+  _, m_direct = step(s1, batch, np.bool_(False))
+  assert float(m4["loss"]) == float(m_direct["loss"])

@@ -6,10 +6,19 @@ Running the same command again resumes from the newest checkpoint in `workdir/ch
 run continues bit-for-bit on CPU. Outputs in `workdir`:
   checkpoints/<step>/   Orbax checkpoints (see zaya_jax/checkpoint.py)
   metrics.jsonl         one JSON object per line: {"kind": "train" | "eval", "step": ..., ...}
+
+Fault tolerance (README "Fault tolerance"): the newest checkpoint that reads back intact is
+used (`Checkpointer.restore_latest`); SIGTERM/SIGINT end the run after the current step with a
+checkpoint (`StopSignals`); an update with a non-finite loss or gradient is skipped, and
+`train.max_consecutive_skips` of them in a row restore the last checkpoint while the data
+iterator keeps going (past the offending batches); `train.step_timeout_s` arms a `Watchdog`
+around every step, evaluation and save. The loop reads each update's skip flags one step
+late, so the host never waits for the step it just dispatched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging as std_logging
 import os
@@ -29,7 +38,11 @@ from zaya_jax.parallel.mesh import (abstract_with_shardings, batch_sharding, che
                                     use_mesh)
 from zaya_jax.train.state import (TrainState, abstract_model, abstract_train_state, init_train_state,
                                   train_state_shardings)
+from zaya_jax.train.fault import StopSignals, Watchdog
 from zaya_jax.train.step import expert_load, make_eval_step, make_train_step
+
+# A run that goes non-finite again after this many rollbacks to one checkpoint stops.
+MAX_ROLLBACKS_PER_CHECKPOINT = 3
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -158,15 +171,20 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
 
   os.makedirs(workdir, exist_ok=True)  # only once the config and the data are known to be good
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
-  latest = ckpt.latest_step()
-  if latest is None:
-    state = init_train_state(cfg.model, tx, train.seed, mesh)
+  target = abstract_with_shardings(abstract_state, state_sharding)
+  restored = ckpt.restore_latest(target, data_iter, cfg)
+  if restored is None:
+    state, latest = init_train_state(cfg.model, tx, train.seed, mesh), None
   else:
-    target = abstract_with_shardings(abstract_state, state_sharding)
-    state = ckpt.restore(latest, target, data_iter, cfg)
+    state, latest, data_restored = restored
+    if not data_restored:  # saved by another process count: the positions mean other documents
+      data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
+                                      seed=train.seed + latest, process_index=jax.process_index(),
+                                      process_count=jax.process_count())
   step = int(state.step)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
   if latest is not None and is_main:
-    _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), step)
+    _truncate_metrics(metrics_path, step)
   if step >= train.num_steps and is_main:
     logging.warning("checkpoint step %d >= train.num_steps=%d: nothing to train; raise "
                     "--config.train.num_steps to continue (the cosine schedule stretches to it)",
@@ -176,60 +194,149 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
     logging.info("%s at step %d/%d: %.2fM parameters, %d devices (%d processes), mesh %s, workdir %s",
                  "Resuming" if latest is not None else "Starting", step, train.num_steps,
                  n_params / 1e6, jax.device_count(), jax.process_count(), dict(mesh.shape), workdir)
+    if train.inject_nan_at_steps:
+      logging.warning("train.inject_nan_at_steps=%s: NaN loss and gradients will be injected "
+                      "(a test-only setting)", train.inject_nan_at_steps)
 
-  train_step = make_train_step(graphdef, tx, schedule, state_sharding, data_sharding)
+  train_step = make_train_step(graphdef, tx, schedule, state_sharding, data_sharding,
+                               fault_injection=bool(train.inject_nan_at_steps))
+  poisoned: set[int] = set()  # injected steps: once each per process, so a rollback moves past them
   eval_step = make_eval_step(graphdef, state_sharding, data_sharding)
-  metrics_out = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), enabled=is_main)
+  metrics_out = MetricsWriter(metrics_path, enabled=is_main)
   tokens_per_step = train.batch_size * train.seq_len
   saved_step = latest
+  watchdog = Watchdog(train.step_timeout_s)
+  evals_run = 0
+  rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
 
   def run_eval():
+    nonlocal evals_run
     if not eval_batches:
       return
-    record = {"kind": "eval", "step": step, **evaluate(eval_step, state, eval_batches)}
+    with watchdog.guard(f"evaluation at step {step}") if evals_run else contextlib.nullcontext():
+      record = {"kind": "eval", "step": step, **evaluate(eval_step, state, eval_batches)}
+    evals_run += 1
     metrics_out.write(record)
     if is_main:
       logging.info("eval step %d | loss %.4f | %d tokens", step, record["loss"], record["tokens"])
 
-  steps_this_run = 0
-  window_start, window_steps = time.perf_counter(), 0
-  while step < train.num_steps and not (
-      train.max_steps_per_run and steps_this_run >= train.max_steps_per_run):
-    batch = global_batch(next(data_iter), data_sharding)
-    state, metrics = train_step(state, batch)
-    step += 1
-    steps_this_run += 1
-    window_steps += 1
-    if steps_this_run == 1:  # Keep compilation out of the throughput numbers.
-      jax.block_until_ready(metrics)
-      window_start, window_steps = time.perf_counter(), 0
-    if step % train.log_every == 0 or step == train.num_steps:
-      m = jax.device_get(metrics)
-      elapsed = time.perf_counter() - window_start
-      tok_s = window_steps * tokens_per_step / elapsed if window_steps else None  # None: compile step
-      metrics_out.write({
-          "kind": "train", "step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
-          "grad_norm": float(m["grad_norm"]), "tokens": float(m["tokens"]),
-          "tokens_per_s": tok_s, "moe/dropped_fraction": float(m["moe/dropped_fraction"]),
-          "expert_load": np.asarray(m["expert_load"]).tolist(),
-      })
-      if is_main:
-        logging.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s",
-                     step, train.num_steps, m["loss"], m["lr"], m["grad_norm"],
-                     "-" if tok_s is None else f"{tok_s:.0f}")
-      window_start, window_steps = time.perf_counter(), 0
-    if train.eval_every and step % train.eval_every == 0 and step != train.num_steps:
-      run_eval()
-    if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-      saved_step = ckpt.save(state, data_iter, cfg)
+  def save():
+    with watchdog.guard(f"checkpoint save at step {step}"):
+      return ckpt.save(state, data_iter, cfg)
 
-  if steps_this_run and step == train.num_steps:
-    run_eval()
-  if step != saved_step:
-    saved_step = ckpt.save(state, data_iter, cfg)
-  ckpt.close()  # Waits for asynchronous saves: the process may exit right after.
+  def rollback(bad: dict[str, Any]) -> TrainState:
+    """Restores the last checkpoint after `max_consecutive_skips` non-finite updates."""
+    nonlocal metrics_out
+    if saved_step is None:
+      raise FloatingPointError(
+          f"{int(bad['consecutive_skips'])} consecutive updates up to step {bad['step']} had a "
+          "non-finite loss or gradient and there is no checkpoint to roll back to. Lower "
+          "train.lr, raise train.warmup_steps, or check the data.")
+    rollbacks[saved_step] = rollbacks.get(saved_step, 0) + 1
+    if rollbacks[saved_step] > MAX_ROLLBACKS_PER_CHECKPOINT:
+      raise FloatingPointError(
+          f"rolled back to checkpoint {saved_step} {MAX_ROLLBACKS_PER_CHECKPOINT} times and the "
+          "loss still goes non-finite: the model diverges whatever the data. Lower train.lr "
+          "or resume from an earlier checkpoint.")
+    if is_main:
+      logging.warning(
+          "%d consecutive non-finite updates (steps %d-%d): restoring checkpoint %d%s",
+          int(bad["consecutive_skips"]), bad["step"] - int(bad["consecutive_skips"]) + 1,
+          bad["step"], saved_step, "; the data iterator keeps its position, so the batches "
+          "since that checkpoint are skipped" if train.skip_data_on_rollback else
+          "; the data iterator goes back too (train.skip_data_on_rollback=False)")
+    # The newest intact checkpoint: `saved_step`, unless it fails to read back (then older).
+    restored = ckpt.restore_latest(target, None if train.skip_data_on_rollback else data_iter, cfg)
+    skipped = jax.device_put(np.int32(bad["skipped_steps"]), state_sharding.skipped_steps)
+    zero = jax.device_put(np.int32(0), state_sharding.consecutive_skips)
+    if is_main:  # the steps after the checkpoint are trained again: one record per step
+      metrics_out.close()
+      _truncate_metrics(metrics_path, restored.step)
+      metrics_out = MetricsWriter(metrics_path, enabled=True)
+    return restored.state.replace(skipped_steps=skipped, consecutive_skips=zero)
+
+  def check_previous(prev: dict[str, Any] | None) -> bool:
+    """Reads the flags of the previous update (done by now); True if it is time to roll back."""
+    if prev is None:
+      return False
+    flags = jax.device_get({k: prev[k] for k in ("skipped", "skipped_steps", "consecutive_skips")})
+    if flags["skipped"] and is_main:
+      logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a row, %d in "
+                      "this run so far)", prev["step"], flags["consecutive_skips"],
+                      flags["skipped_steps"])
+    prev.update(flags)
+    return bool(train.max_consecutive_skips and
+                flags["consecutive_skips"] >= train.max_consecutive_skips)
+
+  steps_this_run = 0
+  previous: dict[str, Any] | None = None  # the last update's metrics, checked one step late
+  stop_reason = None
+  window_start, window_steps = time.perf_counter(), 0
+  with StopSignals() as stop:
+    while step < train.num_steps and not (
+        train.max_steps_per_run and steps_this_run >= train.max_steps_per_run):
+      guard = watchdog.guard(f"train step {step + 1}") if steps_this_run else contextlib.nullcontext()
+      with guard:
+        batch = global_batch(next(data_iter), data_sharding)
+        if train.inject_nan_at_steps:
+          poison = step + 1 in train.inject_nan_at_steps and step + 1 not in poisoned
+          if poison:
+            poisoned.add(step + 1)
+          state, metrics = train_step(state, batch, np.bool_(poison))
+        else:
+          state, metrics = train_step(state, batch)
+        step += 1
+        steps_this_run += 1
+        window_steps += 1
+        if steps_this_run == 1:  # Keep compilation out of the throughput numbers.
+          jax.block_until_ready(metrics)
+          window_start, window_steps = time.perf_counter(), 0
+        if check_previous(previous):  # `state` (one update further) is discarded
+          state = rollback(previous)
+          step, saved_step, previous = int(state.step), int(state.step), None
+          continue
+        previous = {**metrics, "step": step}
+      if step % train.log_every == 0 or step == train.num_steps:
+        m = jax.device_get(metrics)
+        elapsed = time.perf_counter() - window_start
+        tok_s = window_steps * tokens_per_step / elapsed if window_steps else None  # None: compile step
+        metrics_out.write({
+            "kind": "train", "step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
+            "grad_norm": float(m["grad_norm"]), "tokens": float(m["tokens"]),
+            "tokens_per_s": tok_s, "skipped_steps": int(m["skipped_steps"]),
+            "moe/dropped_fraction": float(m["moe/dropped_fraction"]),
+            "expert_load": np.asarray(m["expert_load"]).tolist(),
+        })
+        if is_main:
+          logging.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s%s",
+                       step, train.num_steps, m["loss"], m["lr"], m["grad_norm"],
+                       "-" if tok_s is None else f"{tok_s:.0f}",
+                       f" | {int(m['skipped_steps'])} skipped" if m["skipped_steps"] else "")
+        window_start, window_steps = time.perf_counter(), 0
+      if train.eval_every and step % train.eval_every == 0 and step != train.num_steps:
+        run_eval()
+      if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+        saved_step = save()
+      if stop.any_process():
+        stop_reason = stop.received or "a stop signal on another process"
+        break
+
+    if check_previous(previous) and is_main:  # the last update's flags: log a skip, no rollback
+      logging.warning("the run ends on %d consecutive skipped updates",
+                      int(previous["consecutive_skips"]))
+    if steps_this_run and step == train.num_steps:
+      run_eval()
+    if step != saved_step:
+      saved_step = save()
+    with watchdog.guard("waiting for the last checkpoint to be written"):
+      ckpt.close()  # Waits for asynchronous saves: the process may exit right after.
   metrics_out.close()
   if is_main:
-    logging.info("Stopped at step %d/%d; checkpoint %d in %s", step, train.num_steps,
-                 saved_step, ckpt.directory)
+    if stop_reason:
+      logging.warning("Stopped by %s at step %d/%d; checkpoint %d is in %s. Rerun the same "
+                      "command to resume.", stop_reason, step, train.num_steps, saved_step,
+                      ckpt.directory)
+    else:
+      logging.info("Stopped at step %d/%d; checkpoint %d in %s", step, train.num_steps,
+                   saved_step, ckpt.directory)
   return state

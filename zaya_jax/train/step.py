@@ -54,14 +54,24 @@ def expert_load(counts_LX: jax.Array) -> jax.Array:
 
 
 def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-               schedule: optax.Schedule, state: TrainState,
-               batch: Batch) -> tuple[TrainState, Metrics]:
-  """One AdamW update on the mean next-token loss; gradients w.r.t. `state.params` only.
+               schedule: optax.Schedule, state: TrainState, batch: Batch,
+               poison: jax.Array | None = None) -> tuple[TrainState, Metrics]:
+  """One optimizer update on the mean next-token loss; gradients w.r.t. `state.params` only.
+
+  An update whose loss or gradient norm is not finite is skipped: parameters and optimizer
+  state stay as they were, `step` still advances (the batch is consumed), `skipped_steps` and
+  `consecutive_skips` count it (the loop rolls back after too many in a row).
+
+  Args:
+    poison: test-only fault injection: a bool [] that, when true, makes this update's loss
+      and gradients NaN (see `train.inject_nan_at_steps`); None compiles no injection.
 
   Returns:
     The new state (step + 1; `model_state` untouched) and float32 scalar metrics `loss`
     (mean over masked tokens), `grad_norm` (global L2 norm before clipping), `lr` (the rate
-    this update used), `tokens` (masked tokens in the batch), plus `expert_load` [L, X].
+    this update used), `tokens` (masked tokens in the batch), `skipped` (1.0 if this update
+    was skipped), int32 `skipped_steps` / `consecutive_skips` (after this update), plus
+    `expert_load` [L, X] and `moe/dropped_fraction`.
   """
 
   def loss_fn(params):
@@ -69,18 +79,35 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     return loss_sum / jnp.maximum(tokens, 1.0), (tokens, aux)
 
   (loss, (tokens, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  if poison is not None:
+    loss = jnp.where(poison, jnp.nan, loss)
+    grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   counts_LX = aux["expert_counts"]
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  skipped = (~finite).astype(jnp.int32)
+  new_state = state.replace(
+      step=state.step + 1,
+      params=keep_if_bad(params, state.params),
+      opt_state=keep_if_bad(opt_state, state.opt_state),
+      skipped_steps=state.skipped_steps + skipped,
+      consecutive_skips=(state.consecutive_skips + 1) * skipped,
+  )
   metrics = {
       "loss": loss,
-      "grad_norm": optax.tree.norm(grads),
+      "grad_norm": grad_norm,
       "lr": jnp.asarray(schedule(state.step), jnp.float32),
       "tokens": tokens,
+      "skipped": skipped.astype(jnp.float32),
+      "skipped_steps": new_state.skipped_steps,
+      "consecutive_skips": new_state.consecutive_skips,
       "expert_load": expert_load(counts_LX),
       "moe/dropped_fraction": jnp.sum(aux["dropped_tokens"]) / jnp.maximum(jnp.sum(counts_LX), 1.0),
   }
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return new_state, metrics
 
 
 def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> Metrics:
@@ -90,9 +117,12 @@ def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> Metric
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, state_shardings=None,
-                    batch_sharding=None) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+                    schedule: optax.Schedule, state_shardings=None, batch_sharding=None,
+                    fault_injection: bool = False) -> Callable[..., tuple[TrainState, Metrics]]:
   """`train_step` with the static parts bound, jitted; the input state's buffers are donated.
+
+  With `fault_injection` the step takes a third argument, `poison` (bool []; see
+  `train_step`), for the loop's test-only `train.inject_nan_at_steps`.
 
   With `state_shardings` (a TrainState of NamedShardings) and `batch_sharding`, the step keeps
   the state in its sharding and metrics replicated; call it inside `jax.set_mesh(mesh)`.
@@ -100,6 +130,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   kw = {}
   if state_shardings is not None:
     kw = dict(in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None))
+  if fault_injection:
+    if kw:
+      kw["in_shardings"] = (*kw["in_shardings"], None)
+    return jax.jit(lambda state, batch, poison: train_step(graphdef, tx, schedule, state, batch,
+                                                           poison), donate_argnums=0, **kw)
   return jax.jit(lambda state, batch: train_step(graphdef, tx, schedule, state, batch),
                  donate_argnums=0, **kw)
 
