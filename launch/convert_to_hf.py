@@ -8,21 +8,22 @@ device, and writes config.json, generation_config.json and safetensors via
 `zaya_jax.hf.save_pretrained` (plus tokenizer.json when the run's data.tokenizer is a file).
 Load it with `transformers.ZayaForCausalLM.from_pretrained(out)`. Caveats (warned about):
 transformers zeroes skipped tokens (skip_mode "zero"), and transformers 5.23 resets each
-router's skip balancing bias to -1 on load.
+router's skip balancing bias to -1 on load. A missing --workdir or --step, or an unreadable
+checkpoint, exits non-zero with one line naming it (and the steps that exist).
 """
 
-import dataclasses
 import os
 import re
+import sys
 
 import jax
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
 from flax import nnx
 
-from zaya_jax.checkpoint import restore_model_state, with_sharding
+from zaya_jax.checkpoint import restore_model_state, saved_model_config, with_sharding
 from zaya_jax.hf import save_pretrained
-from zaya_jax.model import ModelConfig, ZayaForCausalLM
+from zaya_jax.model import ZayaForCausalLM
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (holds checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).")
@@ -42,39 +43,66 @@ def parse_size(text: str) -> int:
   return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def model_config(saved: dict) -> ModelConfig:
-  """The ModelConfig of a saved RunConfig dict (fields unknown to this code are dropped)."""
-  names = {f.name for f in dataclasses.fields(ModelConfig)}
-  values = {k: v for k, v in saved["model"].items() if k in names}
-  values["layer_types"] = tuple(values["layer_types"])
-  return ModelConfig(**values)
+def find_step(workdir: str, step: int | None) -> tuple[str, int, dict]:
+  """(checkpoint directory, step, saved RunConfig dict) to export; exits with one line if absent.
+
+  Args:
+    workdir: the training run directory.
+    step: the requested step, or None for the latest.
+  """
+  if not os.path.isdir(workdir):
+    sys.exit(f"--workdir={workdir}: no such directory")
+  ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  if not os.path.isdir(ckpt_dir):
+    sys.exit(f"no checkpoint in {workdir}: {ckpt_dir} does not exist (is it a training run's "
+             "--workdir?)")
+  manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False))
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      sys.exit(f"no checkpoint in {ckpt_dir}")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      sys.exit(f"--step={step}: no such checkpoint in {ckpt_dir}; it holds steps {steps}")
+    try:
+      saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+    except Exception as e:  # Orbax raises several types for missing/corrupt items
+      sys.exit(f"cannot read the config of checkpoint {ckpt_dir}/{step}: {e}")
+  finally:
+    manager.close()
+  return ckpt_dir, step, saved
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  ckpt_dir = os.path.abspath(os.path.join(_WORKDIR.value, "checkpoints"))
-  manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False))
-  step = manager.latest_step() if _STEP.value is None else _STEP.value
-  if step is None:
-    raise app.UsageError(f"no checkpoint in {ckpt_dir}")
-  saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
-  manager.close()
-  cfg = model_config(saved)
+  max_shard = parse_size(_MAX_SHARD.value)
+  ckpt_dir, step, saved = find_step(_WORKDIR.value, _STEP.value)
+  try:
+    cfg = saved_model_config(saved)
+  except (KeyError, TypeError, ValueError) as e:
+    sys.exit(f"checkpoint {ckpt_dir}/{step} holds no usable model config ({e!r}); is it a "
+             "zaya_jax checkpoint?")
 
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  state = restore_model_state(ckpt_dir, with_sharding(abstract, cpu), step)
+  try:
+    state = restore_model_state(ckpt_dir, with_sharding(abstract, cpu), step)
+  except Exception as e:  # corrupt or incompatible arrays; the message names the item
+    sys.exit(f"cannot restore the model of checkpoint {ckpt_dir}/{step}: {e}")
   model = nnx.merge(graphdef, state)
 
   tokenizer = saved.get("data", {}).get("tokenizer")
   tokenizer_file = tokenizer if tokenizer and os.path.isfile(tokenizer) else None
-  paths = save_pretrained(model, _OUT.value, dtype=_DTYPE.value,
-                          max_shard_size_bytes=parse_size(_MAX_SHARD.value),
-                          tokenizer_file=tokenizer_file)
+  try:
+    paths = save_pretrained(model, _OUT.value, dtype=_DTYPE.value, max_shard_size_bytes=max_shard,
+                            tokenizer_file=tokenizer_file)
+  except OSError as e:
+    sys.exit(f"cannot write --out={_OUT.value}: {e}")
   logging.info("exported step %d of %s to %s (%d safetensors file(s)%s)", step, _WORKDIR.value,
                _OUT.value, len(paths), ", tokenizer.json" if tokenizer_file else "")
-  print(f"wrote {_OUT.value} from step {step}")
+  print(f"wrote {_OUT.value} from step {step} ({len(paths)} safetensors file(s))")
 
 
 if __name__ == "__main__":

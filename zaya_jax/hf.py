@@ -151,10 +151,15 @@ class _SafetensorsReader:
     return set(self.files)
 
   def get(self, key: str) -> np.ndarray:
+    """The tensor `key` as a new float32 numpy array (read from the memory-mapped file)."""
     path = self.files[key]
     if path not in self._open:
       self._open[path] = safe_open(path, framework="np")
     return np.asarray(self._open[path].get_tensor(key), dtype=np.float32)
+
+  def release(self) -> None:
+    """Closes the open files: their memory maps' pages stop counting in this process's RSS."""
+    self._open.clear()
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -184,7 +189,9 @@ def load_pretrained(hf_dir: str, dtype=jnp.float32, **config_overrides) -> ZayaF
     dtype: compute dtype (`jnp.float32` or `jnp.bfloat16`); parameters are float32.
     **config_overrides: ModelConfig fields to override (default skip_mode "zero", as HF).
   Returns:
-    `ZayaForCausalLM`; `model(input_ids)` gives float32 logits `[B, T, V]`.
+    `ZayaForCausalLM` on the default device; `model(input_ids)` gives float32 logits
+    `[B, T, V]`. Memory: the parameters plus one layer's tensor and one parameter's file
+    pages at a time (on CPU each parameter array is the numpy buffer it was converted into).
   Raises:
     FileNotFoundError: no config.json / safetensors in `hf_dir`.
     ValueError: a tensor is missing, unexpected, or has the wrong shape (named in the message).
@@ -203,37 +210,45 @@ def load_pretrained(hf_dir: str, dtype=jnp.float32, **config_overrides) -> ZayaF
   pure = nnx.to_pure_dict(state)
   targets = _flatten(pure)
   reader = _SafetensorsReader(hf_dir)
+  keys = reader.keys()
   used: set[str] = set()
   missing: list[str] = []
+  # One parameter at a time: its HF tensors are converted into a fresh numpy array that then
+  # becomes the jax array without a copy on CPU (may_alias; it owns its memory, so nothing
+  # aliases the files), and the files are closed after each parameter. Peak memory: the
+  # model + one HF tensor (+ one parameter's worth of file pages), whatever the model size.
   for rule in HF_TABLE:
     if rule.ours not in targets:
       continue  # optional tensor this config does not have (biases)
     target_shape = tuple(targets[rule.ours].shape)
+    out = np.empty(target_shape, np.float32)
+    complete = True
     if rule.ours.startswith("layers."):
-      layers = []
+      kind = "copy" if rule.kind == "eda_scale" else rule.kind
       for i in range(cfg.num_layers):
         key = rule.hf.format(i=i)
-        if key not in reader.keys():
+        if key not in keys:
           if rule.kind == "eda_scale" and i == 0:  # layer 0 has no EDA: scale unused
-            layers.append(np.ones(target_shape[1:], np.float32))
+            out[0] = 1.0
             continue
           missing.append(key)
+          complete = False
           continue
         used.add(key)
-        kind = "copy" if rule.kind == "eda_scale" else rule.kind
-        layers.append(_convert(key, kind, reader.get(key), target_shape[1:]))
-      if len(layers) == cfg.num_layers:
-        _set(pure, rule.ours, jnp.asarray(np.stack(layers)))
+        out[i] = _convert(key, kind, reader.get(key), target_shape[1:])
+    elif rule.hf in keys:
+      used.add(rule.hf)
+      out[...] = _convert(rule.hf, rule.kind, reader.get(rule.hf), target_shape)
     else:
-      key = rule.hf
-      if key not in reader.keys():
-        missing.append(key)
-        continue
-      used.add(key)
-      _set(pure, rule.ours, jnp.asarray(_convert(key, rule.kind, reader.get(key), target_shape)))
+      missing.append(rule.hf)
+      complete = False
+    if complete:
+      _set(pure, rule.ours, jax.device_put(out, may_alias=True))
+    del out
+    reader.release()
   if missing:
     raise ValueError(f"{hf_dir}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[:5]}")
-  unexpected = sorted(reader.keys() - used - set(_IGNORED_HF_KEYS))
+  unexpected = sorted(keys - used - set(_IGNORED_HF_KEYS))
   if unexpected:
     raise ValueError(f"{hf_dir}: {len(unexpected)} unexpected tensors (config mismatch?), e.g. {unexpected[:5]}")
   nnx.replace_by_pure_dict(state, pure)

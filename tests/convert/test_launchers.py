@@ -1,0 +1,171 @@
+"""The conversion CLIs end to end: HF -> `launch.convert_from_hf` -> `launch.train` ->
+`launch.convert_to_hf` -> `transformers.AutoModelForCausalLM.from_pretrained`.
+
+One module-scoped fixture runs the chain once in subprocesses, on a random transformers
+model (every tensor randomised, balancing biases set so every expert and the skip class win
+some tokens) of the architecture that tests/train/tiny_cli.py trains, with attention and
+LM-head biases so the optional tensors travel too:
+  1. `convert_from_hf` writes step 0 of a run (skip_mode "zero", as transformers);
+  2. `convert_to_hf --step=0 --max_shard_size=50KB` exports it again, in several shards;
+  3. `launch.train` resumes from step 0 and trains 3 steps;
+  4. `convert_to_hf` exports the latest step (3) as one float32 file.
+Then: the step-0 export equals the source tensors bit for bit (so the import checkpoint holds
+exactly the HF parameters and biases), and transformers loads the trained export with no
+missing or unexpected keys and gives the logits of the step-3 checkpoint (<= 1e-4, after
+undoing transformers 5.23's reset of the skip bias on load, see test_hf_roundtrip.py). Bad
+inputs exit non-zero with a message that names the problem.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from tests.convert.test_hf_roundtrip import read_export, reference_state, restore_skip_biases
+from tests.model import hf_reference
+from tests.train.tiny_cli import MODEL_OVERRIDES
+from zaya_jax.checkpoint import restore_model_state, with_sharding
+from zaya_jax.model import ModelConfig, ZayaForCausalLM
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 3
+# The HF twin of tests/train/tiny_cli.py (vocab 320 as configs/zaya1_tiny.py, byte-tokenizer ids).
+HF_ARCH = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2,
+               layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, num_attention_heads=2,
+               num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32,
+               router_hidden_size=16, attention_bias=True, lm_head_bias=True,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CONFIG = ["--config=configs/zaya1_tiny.py", *MODEL_OVERRIDES, "--config.model.attention_bias=True",
+          "--config.model.lm_head_bias=True", "--config.model.skip_mode=zero"]
+TRAIN = ["--config.train.seq_len=32", "--config.train.batch_size=2",
+         f"--config.train.num_steps={STEPS}", "--config.train.warmup_steps=1",
+         "--config.train.log_every=1", "--config.train.eval_batches=0"]
+
+
+def cli(module, *args, cache_dir, check=True):
+  """Runs `python -m module args` from the repo root on CPU; returns (exit code, output)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+  if check:
+    assert proc.returncode == 0, proc.stdout[-4000:]
+  return proc.returncode, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+  """Runs the whole chain once; returns a dict of the paths, the HF source and its input ids."""
+  root = tmp_path_factory.mktemp("launchers")
+  paths = {k: root / k for k in ("hf", "run", "step0", "trained", "cache")}
+  hf, ids = hf_reference.build(seed=7, **HF_ARCH)
+  hf.save_pretrained(paths["hf"])
+  cache = paths["cache"]
+  _, out = cli("launch.convert_from_hf", f"--hf_dir={paths['hf']}", f"--workdir={paths['run']}",
+               *CONFIG, cache_dir=cache)
+  assert "wrote" in out and os.path.isdir(paths["run"] / "checkpoints" / "0"), out[-2000:]
+  cli("launch.convert_to_hf", f"--workdir={paths['run']}", "--step=0", f"--out={paths['step0']}",
+      "--dtype=float32", "--max_shard_size=50KB", cache_dir=cache)
+  _, train_out = cli("launch.train", f"--workdir={paths['run']}", *CONFIG, *TRAIN, cache_dir=cache)
+  _, export_out = cli("launch.convert_to_hf", f"--workdir={paths['run']}",
+                      f"--out={paths['trained']}", "--dtype=float32", cache_dir=cache)
+  return dict(paths, hf_model=hf, ids=ids, train_out=train_out, export_out=export_out)
+
+
+@pytest.mark.slow
+def test_import_checkpoint_holds_the_hf_tensors(chain):
+  """Step 0 exported in shards is the source checkpoint, tensor for tensor, bit for bit."""
+  out = chain["step0"]
+  shards = sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+  assert len(shards) > 1, shards
+  assert not (out / "model.safetensors").exists()
+  with open(out / "model.safetensors.index.json") as f:
+    index = json.load(f)
+  want = reference_state(chain["hf_model"])
+  assert set(index["weight_map"]) == set(want)
+  assert set(index["weight_map"].values()) == set(shards)
+  assert index["metadata"]["total_size"] == sum(v.nbytes for v in want.values())
+  got = read_export(out)
+  assert set(got) == set(want)
+  for k, v in want.items():  # balancing biases included: the import keeps the HF values
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+@pytest.mark.slow
+def test_trained_export_matches_checkpoint_in_transformers(chain):
+  """transformers loads the step-3 export cleanly and computes the checkpoint's logits."""
+  assert f"Resuming at step 0/{STEPS}" in chain["train_out"], chain["train_out"][-3000:]
+  assert f"from step {STEPS}" in chain["export_out"], chain["export_out"][-2000:]
+  out = chain["trained"]
+  assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()
+
+  # Training moved the parameters (else this would only retest the import).
+  trained, start = read_export(out), read_export(chain["step0"])
+  for k in ("model.embed_tokens.weight", "model.layers.1.mlp.experts.gate_up_proj"):
+    assert np.abs(trained[k] - start[k]).max() > 1e-4, k
+
+  back, info = transformers.AutoModelForCausalLM.from_pretrained(
+      str(out), output_loading_info=True, attn_implementation="eager")
+  for k in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+    assert not info.get(k), f"{k}: {info[k]}"
+  assert type(back).__name__ == "ZayaForCausalLM"
+  back.eval()
+  restore_skip_biases(back, out)
+
+  ckpt_dir = str(chain["run"] / "checkpoints")
+  manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False))
+  saved = manager.restore(STEPS, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+  manager.close()
+  names = {f.name for f in dataclasses.fields(ModelConfig)}  # (launch.* defines absl flags)
+  cfg = ModelConfig(**{k: tuple(v) if k == "layer_types" else v
+                       for k, v in saved["model"].items() if k in names})
+  assert cfg.skip_mode == "zero"
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  ours = nnx.merge(graphdef, restore_model_state(ckpt_dir, with_sharding(abstract, cpu), STEPS))
+
+  ids = chain["ids"]
+  with torch.no_grad():
+    want = back(ids).logits.numpy()
+  got = np.asarray(nnx.jit(lambda m, x: m(x))(ours, jnp.asarray(ids.numpy())))
+  diff = np.abs(got - want).max()
+  assert diff <= 1e-4, diff
+  assert np.abs(want).max() > 1.0  # not a trivially small output
+
+
+@pytest.mark.slow
+def test_bad_inputs_exit_with_a_message(chain, tmp_path):
+  """Each bad input: a non-zero exit and a one-line reason naming it (no traceback)."""
+  run, cache = chain["run"], chain["cache"]
+  cases = [
+      (("launch.convert_to_hf", f"--workdir={tmp_path / 'nope'}", f"--out={tmp_path / 'o1'}"),
+       f"--workdir={tmp_path / 'nope'}: no such directory"),
+      (("launch.convert_to_hf", f"--workdir={run}", "--step=7", f"--out={tmp_path / 'o2'}"),
+       f"--step=7: no such checkpoint in {run}/checkpoints; it holds steps [0, {STEPS}]"),
+      (("launch.convert_from_hf", f"--hf_dir={chain['hf']}", f"--workdir={tmp_path / 'w1'}",
+        *CONFIG, "--config.model.num_experts=8"),
+       f"num_experts: config 8 vs {chain['hf']}/config.json 4"),
+      (("launch.convert_from_hf", f"--hf_dir={tmp_path / 'no_hf'}", f"--workdir={tmp_path / 'w2'}",
+        *CONFIG),
+       f"--hf_dir={tmp_path / 'no_hf'}: no such directory"),
+      (("launch.convert_from_hf", f"--hf_dir={chain['hf']}", f"--workdir={run}", *CONFIG),
+       f"{run}/checkpoints already holds checkpoint step {STEPS}; pass a fresh --workdir"),
+  ]
+  for (module, *args), message in cases:
+    code, out = cli(module, *args, cache_dir=cache, check=False)
+    assert code != 0, (module, args, out[-2000:])
+    assert message in out, (message, out[-2000:])
+    assert "Traceback" not in out, (module, args[:2], out[-3000:])
+  assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+  assert not (tmp_path / "w1").exists()  # refused before anything was written
