@@ -46,6 +46,9 @@ def get_config() -> ml_collections.ConfigDict:
   m.capacity_factor = 1.25  # "all_to_all" only: slots per expert per shard = factor * tokens / E
   m.force_balanced_routing = False  # debug: round-robin tokens over experts (throughput/memory runs)
   m.gmm_impl = "auto"  # experts' grouped matmul: "auto" (tiled on CPU) | "ragged_dot" | "tiled"
+  # Ops to run as Pallas kernels (Triton lowering: ROCm and CUDA; interpret mode on CPU, slow),
+  # any of "routing", "gmm", "attention"; the rest run as XLA. E.g. --config.model.kernels="('gmm','attention')"
+  m.kernels = ml_collections.FieldReference((), field_type=tuple)
   m.pad_token_id = 0  # token id of padding; must equal the tokenizer's pad id
   m.bos_token_id = 2  # token id of beginning-of-sequence; must equal the tokenizer's bos id
   m.eos_token_id = 106  # token id of end-of-sequence; must equal the tokenizer's eos id

@@ -23,7 +23,7 @@ GROUPS = ("model", "data", "train", "checkpoint", "mesh")
 # Model fields that change how the model computes, not its parameters: they may differ
 # between a checkpoint and the run that resumes from it.
 COMPUTE_ONLY_MODEL_FIELDS = ("dtype", "scan_layers", "remat", "gmm_impl", "moe_dispatch",
-                             "capacity_factor", "force_balanced_routing")
+                             "capacity_factor", "force_balanced_routing", "kernels")
 
 
 class ConfigError(ValueError):
@@ -177,8 +177,9 @@ def _build(cls, config: ml_collections.ConfigDict, group: str):
   if unknown:
     raise ConfigError(f"{group}.{unknown[0]} is not a field of {cls.__name__}; "
                       f"known fields: {sorted(names)}")
-  if "layer_types" in values:  # ConfigDict/JSON may hand back a list
-    values["layer_types"] = tuple(values["layer_types"])
+  for f in ("layer_types", "kernels"):  # ConfigDict/JSON may hand back a list
+    if f in values:
+      values[f] = tuple(values[f])
   try:
     return cls(**values)
   except ConfigError:

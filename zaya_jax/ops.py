@@ -26,7 +26,7 @@ def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
     x_MD: `[M, D]` rows sorted by group.
     w_EDF: `[E, D, F]` one matrix per group.
     group_sizes_E: int32 `[E]`, rows per group, `sum <= M`.
-    impl: one of GMM_IMPLS.
+    impl: one of GMM_IMPLS, or "pallas" (pallas_kernels.gmm; picked by zaya_jax.kernels).
     tile: rows per tile of the `"tiled"` implementation.
   Returns:
     `[M, F]` in the dtype of the inputs.
@@ -39,7 +39,10 @@ def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
   if impl == "tiled":
     return _tiled_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile)
-  raise ValueError(f"grouped_matmul impl={impl!r}; must be one of {GMM_IMPLS}")
+  if impl == "pallas":  # chosen by zaya_jax.kernels (ModelConfig.kernels), not by gmm_impl
+    from pallas_kernels.gmm import gmm  # pylint: disable=import-outside-toplevel
+    return gmm(x_MD, w_EDF, group_sizes_E.astype(jnp.int32))
+  raise ValueError(f"grouped_matmul impl={impl!r}; must be one of {GMM_IMPLS} or 'pallas'")
 
 
 def _tiled_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile):

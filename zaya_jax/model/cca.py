@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zaya_jax.model.attention import dot_product_attention, shift_right, shifted_same_document
+from zaya_jax import kernels
+from zaya_jax.model.attention import shift_right, shifted_same_document
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.layers import compute_dtype, normal, param, zeros
 from zaya_jax.model.rope import apply_rope
@@ -128,12 +129,16 @@ class CCA(nnx.Module):
     return norm(q_BTNH).astype(dtype), k.astype(dtype)
 
   def __call__(self, a_BTD: jax.Array, segment_ids_BT: jax.Array, cos_BTP: jax.Array,
-               sin_BTP: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+               sin_BTP: jax.Array, mask_BTS: jax.Array | None,
+               sliding: jax.Array | bool = False) -> jax.Array:
     """Args: `a_BTD` normed input; `segment_ids_BT` int32 (0 = pad); RoPE tables float32
-    `[B, T, rotary_dim]`; `mask_BTS` bool attention mask. Returns `[B, T, D]` in the compute dtype."""
+    `[B, T, rotary_dim]`; `mask_BTS` bool attention mask (None with the Pallas attention
+    kernel, which masks from the segment ids); `sliding` bool []: a sliding-window layer
+    (read by the kernel only). Returns `[B, T, D]` in the compute dtype."""
     dtype = compute_dtype(self.cfg.dtype)
     q, k, v = self.qkv(a_BTD, segment_ids_BT)
     q, k = self.qk_norm(q, k)
     q, k = apply_rope(q, cos_BTP, sin_BTP), apply_rope(k, cos_BTP, sin_BTP)
-    o_BTNH = dot_product_attention(q, k, v, mask_BTS, scale=self.cfg.head_dim ** -0.5)
+    o_BTNH = kernels.attention(self.cfg, q, k, v, segment_ids_BT, mask_BTS, sliding,
+                               scale=self.cfg.head_dim ** -0.5)
     return jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(dtype)) + self._bias("o_bias", dtype)

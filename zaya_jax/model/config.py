@@ -12,6 +12,7 @@ from typing import Any
 LAYER_TYPES = ("hybrid", "hybrid_sliding")  # full causal attention | sliding-window attention
 SKIP_MODES = ("zero", "scaled_identity")  # transformers | Zyphra's original trainer (gate * x)
 DTYPES = ("float32", "bfloat16")
+KERNEL_OPS = ("routing", "gmm", "attention")  # ops with a Pallas kernel (pallas_kernels/)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class ModelConfig:
   capacity_factor: float = 1.25  # "all_to_all" dispatch: slots per expert = factor * tokens / E
   force_balanced_routing: bool = False  # debug: round-robin tokens over experts (throughput runs)
   gmm_impl: str = "auto"  # experts' grouped matmul: zaya_jax.ops.GMM_IMPLS ("auto" | "ragged_dot" | "tiled")
+  kernels: tuple[str, ...] = ()  # ops run as Pallas kernels (zaya_jax/kernels.py): "routing", "gmm", "attention"
   pad_token_id: int = 0
   bos_token_id: int = 2
   eos_token_id: int = 106
@@ -87,6 +89,10 @@ class ModelConfig:
       fail("skip_mode", f"{self.skip_mode!r}; must be one of {SKIP_MODES}")
     if self.gmm_impl not in ("auto", "ragged_dot", "tiled"):
       fail("gmm_impl", f"{self.gmm_impl!r}; must be one of ('auto', 'ragged_dot', 'tiled')")
+    for op in self.kernels:
+      if op not in KERNEL_OPS:
+        fail("kernels", f"entry {op!r}; must be a tuple of {KERNEL_OPS} (the ops to run as Pallas "
+             "kernels; () = all XLA)")
     if self.moe_dispatch not in ("auto", "local", "allgather", "all_to_all", "ragged_all_to_all"):
       fail("moe_dispatch", f"{self.moe_dispatch!r}; must be one of ('auto', 'local', 'allgather', "
            "'all_to_all', 'ragged_all_to_all')")

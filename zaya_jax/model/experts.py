@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from zaya_jax import ops
+from zaya_jax import kernels, ops
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.layers import compute_dtype, normal, param
 
@@ -34,7 +34,7 @@ class Experts(nnx.Module):
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     init = normal(cfg.initializer_range)
     self.dtype = compute_dtype(cfg.dtype)
-    self.gmm_impl = cfg.gmm_impl
+    self.gmm_impl = kernels.gmm_impl(cfg)
     self.w_gate = param(rngs, init, (e, d, f), ("experts", "embed", "expert_mlp"))
     self.w_up = param(rngs, init, (e, d, f), ("experts", "embed", "expert_mlp"))
     self.w_down = param(rngs, init, (e, f, d), ("experts", "expert_mlp", "embed"))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from zaya_jax import kernels
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.experts import Experts, swiglu_experts
 from zaya_jax.model.router import Router
@@ -53,16 +54,24 @@ class MoE(nnx.Module):
     self.moe_dispatch = cfg.moe_dispatch
     self.capacity_factor = cfg.capacity_factor
     self.force_balanced_routing = cfg.force_balanced_routing
-    self.gmm_impl = cfg.gmm_impl
+    self.gmm_impl = kernels.gmm_impl(cfg)
     self.router = Router(cfg, rngs=rngs)
     self.experts = Experts(cfg, rngs=rngs)
 
-  def expert_outputs(self, x_MD: jax.Array, class_M: jax.Array):
-    """Ungated expert output `[M, D]` (0 for skipped/dropped tokens) and the dropped mask `[M]`."""
+  def expert_outputs(self, x_MD: jax.Array, class_M: jax.Array, route=None):
+    """Ungated expert output `[M, D]` (0 for skipped/dropped tokens) and the dropped mask `[M]`.
+
+    `route` (a `kernels.RouteResult`): with the "routing" kernel it carries the permutation
+    grouping tokens by class, which the single-shard dispatch then uses instead of sorting.
+    """
     weights = self.experts.weights()
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-      return _experts_on_shard(LocalDispatch(self.num_experts), self.gmm_impl, x_MD, class_M, *weights)
+      sorted_by = None
+      if route is not None and route.order_M is not None:
+        sorted_by = (route.order_M, route.group_sizes_X)
+      return _experts_on_shard(LocalDispatch(self.num_experts, sorted_by), self.gmm_impl, x_MD,
+                               class_M, *weights)
     name = resolve_dispatch(self.moe_dispatch, mesh.shape[EXPERT])
     dispatcher = make_dispatcher(name, self.num_experts, self.capacity_factor)
     body = functools.partial(_experts_on_shard, dispatcher, self.gmm_impl,
@@ -82,11 +91,13 @@ class MoE(nnx.Module):
     bsz, t, d = b_BTD.shape
     e = self.num_experts
     x_MD = b_BTD.reshape(bsz * t, d)
-    class_M, gate_M, r_MR, probs_MX = self.router(x_MD, r_prev_BTR.reshape(bsz * t, -1))
+    route, r_MR, probs_MX = self.router.route(x_MD, r_prev_BTR.reshape(bsz * t, -1))
+    class_M, gate_M = route.class_M, route.gate_M
     if self.force_balanced_routing:  # debug: round-robin over experts, for throughput runs
       class_M = jnp.arange(bsz * t, dtype=jnp.int32) % e
       gate_M = jnp.take_along_axis(probs_MX, class_M[:, None], axis=-1)[:, 0]
-    y_MD, dropped_M = self.expert_outputs(x_MD, class_M)
+      route = None
+    y_MD, dropped_M = self.expert_outputs(x_MD, class_M, route)
     bypass_M1 = ((class_M == e) | dropped_M)[:, None]
     if self.skip_mode == "scaled_identity":
       y_MD = jnp.where(bypass_M1, x_MD.astype(y_MD.dtype), y_MD)

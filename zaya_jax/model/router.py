@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zaya_jax import kernels
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.layers import RMSNorm, normal, ones, param, zeros
 
@@ -42,6 +43,7 @@ class Router(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None):
     d, r, x = cfg.hidden_size, cfg.router_hidden_size, cfg.num_router_classes
     init = normal(cfg.initializer_range)
+    self.cfg = cfg
     self.down_proj = param(rngs, init, (d, r), ("embed", "router"))  # MD,DR->MR
     self.down_bias = param(rngs, zeros, (r,), ("router",))
     self.router_states_scale = param(rngs, ones, (r,), ("router",))  # EDA scale (unused on layer 0)
@@ -55,6 +57,12 @@ class Router(nnx.Module):
         jnp.zeros((x,), jnp.float32).at[-1].set(-1.0), out_sharding=("classes",), eager_sharding=False)
 
   def __call__(self, h_MD: jax.Array, r_prev_MR: jax.Array):
+    route, r_MR, probs_MX = self.route(h_MD, r_prev_MR)
+    return route.class_M, route.gate_M, r_MR, probs_MX
+
+  def route(self, h_MD: jax.Array, r_prev_MR: jax.Array):
+    """`(kernels.RouteResult, r_MR, probs_MX)`: as `__call__`, plus (with the "routing"
+    kernel) the permutation grouping tokens by class, for the MoE's local dispatch."""
     h = h_MD.astype(jnp.float32)
     r_MR = h @ self.down_proj[...] + self.down_bias[...]
     r_MR = r_MR + r_prev_MR * self.router_states_scale[...]
@@ -63,7 +71,5 @@ class Router(nnx.Module):
     z = jax.nn.gelu(z @ self.fc2[...] + self.fc2_bias[...], approximate=False)
     logits_MX = z @ self.out_proj[...]
     probs_MX = jax.nn.softmax(logits_MX, axis=-1)
-    biased = jax.lax.stop_gradient(probs_MX) + self.balancing_biases[...]
-    class_M = jnp.argmax(biased, axis=-1).astype(jnp.int32)
-    gate_M = jnp.take_along_axis(probs_MX, class_M[:, None], axis=-1)[:, 0]
-    return class_M, gate_M, r_MR, probs_MX
+    route = kernels.route(self.cfg, logits_MX, probs_MX, self.balancing_biases[...])
+    return route, r_MR, probs_MX

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zaya_jax import kernels
 from zaya_jax.model.attention import attention_mask, document_positions
 from zaya_jax.model.cca import CCA
 from zaya_jax.model.config import ModelConfig
@@ -40,11 +41,13 @@ class ZayaLayer(nnx.Module):
     self.mlp = MoE(cfg, rngs=rngs)
     self.post_mlp_residual_scale = ResidualScale(d, rngs=rngs)
 
-  def __call__(self, x_BTD, r_prev_BTR, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS):
+  def __call__(self, x_BTD, r_prev_BTR, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS, sliding=False):
     """`x_BTD` float32 residual, `r_prev_BTR` previous router state ->
-    `(x_BTD, r_BTR, (counts_X, dropped))` (routing statistics, see `MoE.__call__`)."""
+    `(x_BTD, r_BTR, (counts_X, dropped))` (routing statistics, see `MoE.__call__`).
+    `mask_BTS` is None when attention runs as the Pallas kernel (`sliding` tells it the
+    layer type)."""
     a_BTD = self.input_layernorm(x_BTD)
-    o_BTD = self.self_attn(a_BTD, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS)
+    o_BTD = self.self_attn(a_BTD, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS, sliding)
     x_BTD = self.post_attention_residual_scale(o_BTD, x_BTD)
     b_BTD = self.post_attention_layernorm(x_BTD)
     y_BTD, r_BTR, counts_X, dropped = self.mlp(b_BTD, r_prev_BTR, segment_ids_BT)
@@ -100,20 +103,23 @@ class ZayaForCausalLM(nnx.Module):
     x_BTD = ((h_BTD + self.input_hidden_states_bias[...]) * self.input_hidden_states_scale[...]).astype(jnp.float32)
 
     # Per-layer-type RoPE tables and masks, selected inside the scan by a per-layer flag.
+    # The Pallas attention kernel masks from the segment ids: no [B, T, S] masks then.
+    kernel_attention = kernels.uses_kernel(cfg, "attention")
     cos_f, sin_f = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta)
-    mask_f = attention_mask(segment_ids_BT)
+    mask_f = None if kernel_attention else attention_mask(segment_ids_BT)
     is_sliding_L = np.array([t == "hybrid_sliding" for t in cfg.layer_types])
     if is_sliding_L.any():
       cos_s, sin_s = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta_sliding)
-      mask_s = attention_mask(segment_ids_BT, cfg.sliding_window)
+      mask_s = None if kernel_attention else attention_mask(segment_ids_BT, cfg.sliding_window)
     else:
       cos_s, sin_s, mask_s = cos_f, sin_f, mask_f
 
     # Step 2: the layers. Layer 0 receives a zero router state, so EDA is a no-op there.
     def layer_step(carry, layer, sliding):
       x, r = carry
-      pick = lambda s, f: jnp.where(sliding, s, f)
-      x, r, stats = layer(x, r, segment_ids_BT, pick(cos_s, cos_f), pick(sin_s, sin_f), pick(mask_s, mask_f))
+      pick = lambda s, f: None if f is None else jnp.where(sliding, s, f)
+      x, r, stats = layer(x, r, segment_ids_BT, pick(cos_s, cos_f), pick(sin_s, sin_f),
+                          pick(mask_s, mask_f), sliding)
       return (x, r), stats
 
     if cfg.remat:

@@ -60,12 +60,20 @@ def unsort(y_sorted: jax.Array, order_M: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class LocalDispatch:
-  """All experts on this shard: sort tokens by class; skip rows sort last (past the groups)."""
+  """All experts on this shard: sort tokens by class; skip rows sort last (past the groups).
+
+  `sorted_by`: optional precomputed `(order_M, counts_X)` of `class_M` (the Pallas routing
+  kernel's permutation and tokens per class), used instead of sorting here.
+  """
 
   num_experts: int
+  sorted_by: tuple[jax.Array, jax.Array] | None = None
 
   def dispatch(self, x_MD, class_M):
-    order_M, counts_X = sort_by_key(class_M, self.num_experts + 1)
+    if self.sorted_by is None:
+      order_M, counts_X = sort_by_key(class_M, self.num_experts + 1)
+    else:
+      order_M, counts_X = self.sorted_by
     return x_MD[order_M], counts_X[: self.num_experts], order_M
 
   def combine(self, y_PD, order_M):
