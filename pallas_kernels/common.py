@@ -31,3 +31,17 @@ def lowered_text(fn: Callable[..., Any], args: Sequence[Any], platform: str) -> 
 def triton_calls(fn: Callable[..., Any], args: Sequence[Any], platform: str) -> int:
   """Number of Triton custom calls in `fn` lowered for `platform` (0 = no Pallas kernel)."""
   return lowered_text(fn, args, platform).count(TRITON_CUSTOM_CALL)
+
+
+def out_struct(shape: tuple[int, ...], dtype: Any, *inputs: Any) -> jax.ShapeDtypeStruct:
+  """`jax.ShapeDtypeStruct` for a `pallas_call` output.
+
+  Inside `jax.shard_map` (with its default `check_vma=True`) a `pallas_call` output must
+  say over which manual mesh axes it varies: here, every axis over which any of `inputs`
+  varies (the kernel reads them all). Outside `shard_map` the set is empty.
+  """
+  varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in inputs))
+  if not varying:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))

@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common import out_struct
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: max(masked) - max(masked) = 0
@@ -123,8 +125,8 @@ def attention_forward(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, *, scale: float,
       grid=(t // block_q, b, n),
       in_specs=[q_spec, kv_spec, kv_spec, pl.BlockSpec((None, t), lambda i, bi, ni: (bi, 0))],
       out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, bi, ni: (bi, ni, i))],
-      out_shape=[jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype),
-                 jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
+      out_shape=[out_struct(q_BTNH.shape, q_BTNH.dtype, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT),
+                 out_struct((b, n, t), jnp.float32, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)],
       compiler_params=_grid_params(num_warps, num_stages),
       interpret=interpret,
       name="cca_attention_fwd",
@@ -213,7 +215,7 @@ def attention_backward(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, out_BTNH, lse_BNT
       grid=(t // block_q, b, n),
       in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
       out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype),
+      out_shape=out_struct(q_BTNH.shape, q_BTNH.dtype, q_BTNH, k_BTKH, v_BTKH, dout_BTNH),
       compiler_params=_grid_params(num_warps, num_stages),
       interpret=interpret,
       name="cca_attention_bwd_dq",
@@ -228,8 +230,8 @@ def attention_backward(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, out_BTNH, lse_BNT
       in_specs=[group_spec, kv_block_spec, kv_block_spec, seg_spec, group_spec, group_row_spec,
                 group_row_spec],
       out_specs=[kv_block_spec, kv_block_spec],
-      out_shape=[jax.ShapeDtypeStruct(k_BTKH.shape, k_BTKH.dtype),
-                 jax.ShapeDtypeStruct(v_BTKH.shape, v_BTKH.dtype)],
+      out_shape=[out_struct(k_BTKH.shape, k_BTKH.dtype, q_BTNH, k_BTKH, v_BTKH, dout_BTNH),
+                 out_struct(v_BTKH.shape, v_BTKH.dtype, q_BTNH, k_BTKH, v_BTKH, dout_BTNH)],
       compiler_params=_grid_params(num_warps, num_stages),
       interpret=interpret,
       name="cca_attention_bwd_dkv",

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common import out_struct
+
 
 def num_schedule_tiles(m: int, num_groups: int, block_m: int) -> int:
   """Static length of the gmm tile schedule: `ceil(m / block_m) + num_groups`."""
@@ -165,7 +167,7 @@ def gmm_call(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_E: jax.Array, *, blo
                              block_k=block_k, block_n=block_n, transpose_rhs=transpose_rhs)
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n), lhs_MK.dtype),
+      out_shape=out_struct((m, n), lhs_MK.dtype, lhs_MK, rhs, group_sizes_E),
       grid=(schedule[0].shape[0], pl.cdiv(n, block_n)),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
@@ -196,7 +198,7 @@ def tgmm_call(lhs_MK: jax.Array, grad_MN: jax.Array, group_sizes_E: jax.Array, *
                              block_n=block_n)
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((num_groups, k, n), lhs_MK.dtype),
+      out_shape=out_struct((num_groups, k, n), lhs_MK.dtype, lhs_MK, grad_MN, group_sizes_E),
       grid=(num_groups, pl.cdiv(k, block_k), pl.cdiv(n, block_n)),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common import out_struct
+
 
 def padded_classes(num_classes: int) -> int:
   """Y: `num_classes` rounded up to a power of two, at least 16 (Triton tile minimum)."""
@@ -120,9 +122,9 @@ def route_forward(logits_MX: jax.Array, balancing_biases_X: jax.Array, *, block_
       functools.partial(classify_kernel, num_tokens=m, num_classes=x, block_m=block_m,
                         block_x=block_x),
       grid=(num_blocks,),
-      out_shape=(jax.ShapeDtypeStruct((m,), jnp.int32),
-                 jax.ShapeDtypeStruct((m,), jnp.float32),
-                 jax.ShapeDtypeStruct((num_blocks, block_x), jnp.int32)),
+      out_shape=(out_struct((m,), jnp.int32, logits_MX, balancing_biases_X),
+                 out_struct((m,), jnp.float32, logits_MX, balancing_biases_X),
+                 out_struct((num_blocks, block_x), jnp.int32, logits_MX, balancing_biases_X)),
       compiler_params=params,
       interpret=interpret,
       name="routing_classify",
@@ -131,8 +133,8 @@ def route_forward(logits_MX: jax.Array, balancing_biases_X: jax.Array, *, block_
   inverse_M, order_M = pl.pallas_call(
       functools.partial(rank_kernel, num_tokens=m, block_m=block_m, block_x=block_x),
       grid=(num_blocks,),
-      out_shape=(jax.ShapeDtypeStruct((m,), jnp.int32),
-                 jax.ShapeDtypeStruct((m,), jnp.int32)),
+      out_shape=(out_struct((m,), jnp.int32, logits_MX, balancing_biases_X),
+                 out_struct((m,), jnp.int32, logits_MX, balancing_biases_X)),
       compiler_params=params,
       interpret=interpret,
       name="routing_rank",

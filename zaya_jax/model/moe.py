@@ -74,11 +74,15 @@ class MoE(nnx.Module):
                                class_M, *weights)
     name = resolve_dispatch(self.moe_dispatch, mesh.shape[EXPERT])
     dispatcher = make_dispatcher(name, self.num_experts, self.capacity_factor)
-    body = functools.partial(_experts_on_shard, dispatcher, self.gmm_impl,
-                             vary_axes=tuple(a for a in BATCH_AXES if a != EXPERT))
+    # The Pallas gmm in interpret mode trips shard_map's varying-axes checker (see
+    # kernels._per_batch_shard); without the checker, shard_map's transpose still sums the
+    # replicated weights' gradients over the batch axes.
+    kernel_gmm = self.gmm_impl == "pallas"
+    vary_axes = () if kernel_gmm else tuple(a for a in BATCH_AXES if a != EXPERT)
+    body = functools.partial(_experts_on_shard, dispatcher, self.gmm_impl, vary_axes=vary_axes)
     tokens, experts = P(BATCH_AXES), P(EXPERT)
     return jax.shard_map(body, in_specs=(tokens, tokens, experts, experts, experts),
-                         out_specs=(tokens, tokens))(x_MD, class_M, *weights)
+                         out_specs=(tokens, tokens), check_vma=not kernel_gmm)(x_MD, class_M, *weights)
 
   def __call__(self, b_BTD: jax.Array, r_prev_BTR: jax.Array, segment_ids_BT: jax.Array):
     """Args: `b_BTD` the post-attention-normed input; `r_prev_BTR` float32 router state of the
