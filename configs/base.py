@@ -12,7 +12,8 @@ import ml_collections
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """Returns the base ConfigDict with groups `model`, `data`, `train`, `checkpoint`."""
+  """Returns the base ConfigDict with groups `model`, `data`, `train`, `checkpoint`, `mesh`,
+  `balance`."""
   config = ml_collections.ConfigDict()
 
   # --- model: one field per zaya_jax.model.config.ModelConfig field, same names -------------
@@ -79,6 +80,21 @@ def get_config() -> ml_collections.ConfigDict:
   t.b2 = 0.95  # AdamW second-moment decay
   t.eps = 1e-8  # AdamW epsilon
   t.grad_clip_norm = 1.0  # clip gradients to this global L2 norm; 0 = no clipping
+  # Optimizer (zaya_jax/train/optim.py). "adamw": AdamW on every parameter. "muon": Muon on the
+  # hidden weight matrices (attention q/k/v/o projections, expert w_gate/w_up/w_down, one
+  # orthogonalised matrix per layer and expert; router matrices with muon_router), AdamW with
+  # lr / weight_decay / b1 / b2 / eps above on the rest (embeddings, norms, biases, scales,
+  # conv filters, temp). The schedule shape is shared, each group scaled to its own peak lr.
+  t.optimizer = "adamw"  # "adamw" | "muon"
+  t.schedule = "cosine"  # "cosine": warmup, cosine to lr*min_lr_ratio | "wsd": warmup, constant, decay at the end
+  t.decay_fraction = 0.2  # "wsd": fraction of num_steps at the end that decays to lr*min_lr_ratio, in [0, 1]
+  t.decay_shape = "linear"  # "wsd" decay shape: "linear" | "1-sqrt" (lr falls as 1 - sqrt(fraction of decay done))
+  t.muon_lr = 0.02  # Muon group's peak learning rate (with the default width scaling)
+  t.muon_weight_decay = 0.0  # Muon group's decoupled weight decay, multiplied by its lr per step
+  t.muon_momentum = 0.95  # Muon's Nesterov momentum decay, in [0, 1)
+  t.muon_ns_steps = 5  # Newton-Schulz iterations orthogonalising each Muon update
+  t.muon_router = False  # also put the router matrices (down_proj, fc1, fc2, out_proj) on Muon
+  t.muon_consistent_rms = 0.0  # > 0: scale Muon updates to this RMS (0.2 ~ AdamW's, then muon_lr ~ lr); 0 = sqrt(max(1, fan_out/fan_in))
   t.log_every = 50  # steps between train log lines / metrics.jsonl records
   t.eval_every = 1_000  # steps between evaluations (and one at the end); 0 = only at the end
   t.eval_batches = 16  # batches of `batch_size` sequences in each evaluation
@@ -101,5 +117,24 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.data = 1  # pure data-parallel replicas
   mesh.fsdp = -1  # FSDP shards (params sharded on hidden dim); -1 = all remaining devices
   mesh.expert = 1  # expert-parallel shards; must divide model.num_experts
+
+  # --- balance: zaya_jax.config.BalanceConfig, the router balancing-bias controller --------
+  # Aux-loss-free balancing (zaya_jax/train/balance.py): after every step each layer's biases
+  # [E+1] move by the error e = target share - observed share of this step's tokens (experts:
+  # 1/E of the expert-routed tokens). Bias units are probability units (added to the softmax).
+  b = config.balance = ml_collections.ConfigDict()
+  b.enabled = True  # update the biases every step; False = they keep their values
+  b.mode = "pid"  # "pid": bias += kp*e + ki*integral(e) + kd*(e - e_prev) | "sign": bias += rate*sign(e) (DeepSeek-V3)
+  b.kp = 0.02  # bias per unit error per step (acts as the integral gain on the bias)
+  b.ki = 0.0  # bias per unit accumulated error per step (a second integrator; keep small)
+  b.kd = 0.0  # bias per unit error change per step (acts as a proportional term on the bias)
+  b.integral_clamp = 1.0  # anti-windup: the accumulated error stays in [-this, this] (error-steps)
+  b.rate = 1e-3  # "sign" mode: bias change per step
+  b.bias_clamp = 0.0  # controlled biases stay in [-this, this]; 0 = no clamp
+  # Target fraction of tokens routed to the skip class; None (or < 0) = off: the skip bias
+  # keeps its initial value (-1, so the skip class practically never wins).
+  b.skip_target = ml_collections.FieldReference(None, field_type=float)
+  b.router_z_loss = 0.0  # coefficient of the router z-loss (mean logsumexp(logits)^2) in the loss; 0 = off
+  b.load_balance_loss = 0.0  # coefficient of the switch-style balance loss E*sum(f*P) in the loss; 0 = off
 
   return config

@@ -3,7 +3,8 @@
 Each step is an Orbax Composite of six items (DESIGN.md "Checkpoint contents"):
   model       nnx.State of every model variable: parameters and router balancing biases
   opt_state   optax state over the parameters (absent after `reshape --drop_optimizer`)
-  train_meta  {"step", "skipped_steps", "consecutive_skips": int32 [], "rng": uint32 [2]}
+  train_meta  {"step", "skipped_steps", "consecutive_skips": int32 [], "rng": uint32 [2],
+              "balance": {"integral", "prev_error": float32 [L, X]} (bias controller)}
   data_iter   the grain iterator's position, one JSON file per process
   config      the resolved RunConfig as JSON, plus "runtime": {"process_count",
               "device_count"} of the run that wrote it (and "reshape" after
@@ -53,8 +54,9 @@ ITEMS = ("model", "opt_state", "train_meta", "data_iter", "config", "integrity")
 ARRAY_ITEMS = ("model", "opt_state", "train_meta")
 JSON_ITEMS = ("config", "integrity")
 CHECKSUMMED_ITEMS = ("model", "opt_state")
-# train_meta keys added after the first checkpoints were written: restored as 0 when absent.
-OPTIONAL_TRAIN_META = ("skipped_steps", "consecutive_skips")
+# train_meta keys added after the first checkpoints were written: restored as 0 when absent
+# (every leaf of a pytree value, e.g. the balancing controller's state, as zeros).
+OPTIONAL_TRAIN_META = ("skipped_steps", "consecutive_skips", "balance")
 CORRUPT_SUFFIX = "_corrupt"  # bad steps of `<dir>` are moved to `<dir>_corrupt/<step>`
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json$")
 _MAX_REASON_CHARS = 600
@@ -180,6 +182,16 @@ def _all_processes_ok(ok: bool) -> bool:
   return bool(np.all(flags))
 
 
+def train_meta_of(state: TrainState) -> dict[str, Any]:
+  """The `train_meta` item of `state`: step, RNG, skip counters and the balancing
+  controller's state (left out when `state.balance` is None; restored as zeros then)."""
+  meta = {"step": state.step, "rng": state.rng, "skipped_steps": state.skipped_steps,
+          "consecutive_skips": state.consecutive_skips}
+  if state.balance is not None:
+    meta["balance"] = state.balance
+  return meta
+
+
 def _zeros_like(abstract: jax.ShapeDtypeStruct) -> jax.Array:
   sharding = getattr(abstract, "sharding", None)
   value = np.zeros(abstract.shape, abstract.dtype)
@@ -261,9 +273,7 @@ class Checkpointer:
     saved = self._manager.save(step, args=ocp.args.Composite(
         model=ocp.args.StandardSave(model),
         opt_state=ocp.args.StandardSave(state.opt_state),
-        train_meta=ocp.args.StandardSave({
-            "step": state.step, "rng": state.rng, "skipped_steps": state.skipped_steps,
-            "consecutive_skips": state.consecutive_skips}),
+        train_meta=ocp.args.StandardSave(train_meta_of(state)),
         data_iter=grain.checkpoint.CheckpointSave(data_iter),
         config=ocp.args.JsonSave(config_record(config)),
         integrity=ocp.args.JsonSave(record),
@@ -437,7 +447,7 @@ class Checkpointer:
     def read_arrays():
       train_meta = {"step": abstract_state.step, "rng": abstract_state.rng}
       for key in OPTIONAL_TRAIN_META:
-        if key in items["train_meta"].tree:
+        if key in items["train_meta"].tree and getattr(abstract_state, key) is not None:
           train_meta[key] = getattr(abstract_state, key)
       args = {
           "model": ocp.args.StandardRestore(
@@ -485,7 +495,7 @@ class Checkpointer:
         data_restored = True
 
     tm = out.train_meta
-    extra = {key: tm[key] if key in tm else _zeros_like(getattr(abstract_state, key))
+    extra = {key: tm[key] if key in tm else jax.tree.map(_zeros_like, getattr(abstract_state, key))
              for key in OPTIONAL_TRAIN_META}
     params, rest = nnx.split_state(out.model, nnx.Param, ...)
     state = abstract_state.replace(step=tm["step"], params=params, model_state=rest,

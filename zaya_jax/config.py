@@ -19,7 +19,7 @@ from zaya_jax.data import DataConfig, load_tokenizer
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.parallel.mesh import MeshConfig
 
-GROUPS = ("model", "data", "train", "checkpoint", "mesh")
+GROUPS = ("model", "data", "train", "checkpoint", "mesh", "balance")
 # Model fields that change how the model computes, not its parameters: they may differ
 # between a checkpoint and the run that resumes from it.
 COMPUTE_ONLY_MODEL_FIELDS = ("dtype", "scan_layers", "remat", "gmm_impl", "moe_dispatch",
@@ -47,6 +47,16 @@ class TrainConfig:
   b2: float = 0.95  # AdamW beta2
   eps: float = 1e-8  # AdamW epsilon
   grad_clip_norm: float = 1.0  # global-norm clip; 0 = off
+  optimizer: str = "adamw"  # "adamw" (all params) | "muon" (hidden matrices Muon, rest AdamW)
+  schedule: str = "cosine"  # "cosine" | "wsd" (warmup-stable-decay); both groups, own peak lr
+  decay_fraction: float = 0.2  # "wsd": fraction of num_steps (at the end) spent decaying
+  decay_shape: str = "linear"  # "wsd": decay to lr*min_lr_ratio "linear" | "1-sqrt"
+  muon_lr: float = 0.02  # Muon group's peak learning rate
+  muon_weight_decay: float = 0.0  # Muon group's decoupled weight decay (multiplied by the lr)
+  muon_momentum: float = 0.95  # Muon's (Nesterov) momentum decay
+  muon_ns_steps: int = 5  # Newton-Schulz iterations per Muon update
+  muon_router: bool = False  # router matrices (down_proj, fc1, fc2, out_proj) on Muon, not AdamW
+  muon_consistent_rms: float = 0.0  # Muon update RMS target (e.g. 0.2 ~ AdamW); 0 = width scaling
   log_every: int = 50  # steps between log lines
   eval_every: int = 1_000  # steps between evaluations; 0 = only at the end
   eval_batches: int = 16  # batches per evaluation; 0 = no evaluation
@@ -88,6 +98,35 @@ class TrainConfig:
       raise ConfigError(f"train.eps={self.eps} must be > 0 (AdamW epsilon, e.g. 1e-8)")
     if self.grad_clip_norm < 0:
       raise ConfigError(f"train.grad_clip_norm={self.grad_clip_norm} must be >= 0 (0 = no clipping)")
+    self._check_optimizer_and_schedule()
+
+  def _check_optimizer_and_schedule(self):
+    choices = {"optimizer": ("adamw", "muon"), "schedule": ("cosine", "wsd"),
+               "decay_shape": ("linear", "1-sqrt")}
+    for f, allowed in choices.items():
+      if getattr(self, f) not in allowed:
+        raise ConfigError(f"train.{f}={getattr(self, f)!r} must be one of {allowed}")
+    if not (_is_number(self.decay_fraction) and 0 <= self.decay_fraction <= 1):
+      raise ConfigError(f"train.decay_fraction={self.decay_fraction!r} must be in [0, 1] (the "
+                        "share of train.num_steps at the end that the \"wsd\" schedule decays)")
+    decay_steps = int(round(self.decay_fraction * self.num_steps))
+    if self.schedule == "wsd" and self.warmup_steps + decay_steps > self.num_steps:
+      raise ConfigError(
+          f"train.warmup_steps={self.warmup_steps} + decay steps {decay_steps} "
+          f"(train.decay_fraction={self.decay_fraction} of train.num_steps={self.num_steps}) "
+          "exceed train.num_steps; lower the warmup or train.decay_fraction")
+    if not (_is_number(self.muon_lr) and self.muon_lr > 0):
+      raise ConfigError(f"train.muon_lr={self.muon_lr!r} must be > 0 (Muon's peak learning "
+                        "rate, e.g. 0.02)")
+    for f in ("muon_weight_decay", "muon_consistent_rms"):
+      if not (_is_number(getattr(self, f)) and getattr(self, f) >= 0):
+        raise ConfigError(f"train.{f}={getattr(self, f)!r} must be >= 0")
+    if not (_is_number(self.muon_momentum) and 0 <= self.muon_momentum < 1):
+      raise ConfigError(f"train.muon_momentum={self.muon_momentum!r} must be in [0, 1) "
+                        "(e.g. 0.95)")
+    _positive_int(self, "train", "muon_ns_steps")
+    if not isinstance(self.muon_router, bool):
+      raise ConfigError(f"train.muon_router={self.muon_router!r} must be True or False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +145,41 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BalanceConfig:
+  """Balancing-bias controller and auxiliary router losses (zaya_jax/train/balance.py)."""
+
+  enabled: bool = True  # update the router balancing biases every step from the routing counts
+  mode: str = "pid"  # "pid" | "sign" (DeepSeek-V3: bias += rate * sign(error))
+  kp: float = 0.02  # bias per unit error per step (error = target - observed share of tokens)
+  ki: float = 0.0  # bias per unit accumulated error per step
+  kd: float = 0.0  # bias per unit change of the error since the last step
+  integral_clamp: float = 1.0  # anti-windup: |accumulated error| <= this (error-steps)
+  rate: float = 1e-3  # "sign" mode: bias change per step
+  bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp
+  skip_target: float | None = None  # target fraction of tokens skipping the experts; None/<0 = off
+  router_z_loss: float = 0.0  # coefficient of the router z-loss added to the training loss
+  load_balance_loss: float = 0.0  # coefficient of the switch-style balance loss added to the loss
+
+  def __post_init__(self):
+    if not isinstance(self.enabled, bool):
+      raise ConfigError(f"balance.enabled={self.enabled!r} must be True or False")
+    if self.mode not in ("pid", "sign"):
+      raise ConfigError(f"balance.mode={self.mode!r} must be \"pid\" or \"sign\"")
+    for f in ("kp", "ki", "kd", "rate", "bias_clamp", "router_z_loss", "load_balance_loss"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise ConfigError(f"balance.{f}={v!r} must be a number >= 0")
+    if isinstance(self.integral_clamp, bool) or not isinstance(
+        self.integral_clamp, (int, float)) or not self.integral_clamp > 0:
+      raise ConfigError(f"balance.integral_clamp={self.integral_clamp!r} must be > 0 "
+                        "(error-steps; e.g. 1.0)")
+    if self.skip_target is not None and (isinstance(self.skip_target, bool) or not isinstance(
+        self.skip_target, (int, float)) or self.skip_target >= 1):
+      raise ConfigError(f"balance.skip_target={self.skip_target!r} must be a fraction < 1 of "
+                        "the tokens, or None / a negative number to leave the skip bias alone")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   """Everything one training run needs, validated."""
 
@@ -114,6 +188,7 @@ class RunConfig:
   train: TrainConfig
   checkpoint: CheckpointConfig
   mesh: MeshConfig = MeshConfig()
+  balance: BalanceConfig = BalanceConfig()
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
     """JSON-ready dict (tuples become lists), as saved in every checkpoint."""
@@ -143,6 +218,7 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
   train = _build(TrainConfig, config, "train")
   checkpoint = _build(CheckpointConfig, config, "checkpoint")
   mesh = _build(MeshConfig, config, "mesh")
+  balance = _build(BalanceConfig, config, "balance") if "balance" in config else BalanceConfig()
 
   if train.batch_size % process_count:
     raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by the "
@@ -151,7 +227,8 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
     raise ConfigError(f"train.eval_batches={train.eval_batches} but data.eval_fraction=0 holds "
                       "out no documents; set train.eval_batches=0 or data.eval_fraction > 0")
   _check_tokenizer(model, data)
-  return RunConfig(model=model, data=data, train=train, checkpoint=checkpoint, mesh=mesh)
+  return RunConfig(model=model, data=data, train=train, checkpoint=checkpoint, mesh=mesh,
+                   balance=balance)
 
 
 def config_differences(saved: dict[str, Any], current: RunConfig, group: str,
@@ -208,6 +285,10 @@ def _check_tokenizer(model: ModelConfig, data: DataConfig) -> None:
       raise ConfigError(
           f"model.{field}={getattr(model, field)} but the tokenizer's {tok_attr} is {want} "
           f"(data.tokenizer={data.tokenizer!r}); set --config.model.{field}={want}")
+
+
+def _is_number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _positive_int(obj, group: str, field: str) -> None:

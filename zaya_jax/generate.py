@@ -1,7 +1,17 @@
 # Shape letters: B T V (see zaya_jax/__init__.py); P = prompt length, N = new tokens.
-"""Reference greedy decoding with our model, by full recomputation (no KV cache).
+"""Generation with our model: cached incremental decoding (`generate`) and its reference.
 
-`greedy_generate_recompute` is the slow, obviously-correct baseline that a cached generator
+`generate` runs one compiled prefill over the prompts, then one compiled decode step per new
+token, reusing a functional cache (`zaya_jax.model.transformer.init_cache`: keys/values, the
+CCA convolution inputs of the last W0+W1-2 tokens, the previous token's delayed value
+projection; the router state passes across layers, not time, and needs no cache). Both
+programs are compiled once per (batch, prompt length, max length) and reused across calls.
+Supported: a batch of equal-length prompts, one document per row, no padding or attention
+mask, no device mesh (the MoE's local dispatch; attention on the XLA path). Sampling is
+greedy (temperature 0: argmax, first index on ties) or temperature + top-p (nucleus) from a
+seed.
+
+`greedy_generate_recompute` is the slow, obviously-correct baseline that the cached generator
 must reproduce and that `transformers` `generate(do_sample=False)` is checked against
 (tests/convert/test_generate.py). Every step runs the whole model on a fixed `[B, P + N]`
 buffer whose not-yet-generated positions hold `pad_token_id`, and reads the logits at the
@@ -13,12 +23,17 @@ without a mesh (the default local dispatch drops nothing).
 
 from __future__ import annotations
 
+import functools
+import time
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.model.transformer import init_cache
 
 
 @nnx.jit
@@ -69,3 +84,155 @@ def greedy_generate_recompute(model: ZayaForCausalLM, input_ids_BP, max_new_toke
       done_B |= tok_B == eos_token_id
     n += 1
   return buf_BT[:, :p + n].astype(np.int64)
+
+
+# --- Cached generation -------------------------------------------------------------------------
+
+
+def sample_tokens(key: jax.Array, logits_BV: jax.Array, temperature: jax.Array,
+                  top_p: jax.Array) -> jax.Array:
+  """Next tokens int32 `[B]` from float32 logits `[B, V]`.
+
+  temperature == 0: argmax (first index on ties). Otherwise softmax(logits / temperature)
+  restricted to the smallest set of most probable tokens whose probability reaches `top_p`
+  (a token is kept when the probability of the tokens ranked above it is < top_p; the most
+  probable token is always kept), sampled with `key`, independently per row.
+
+  Args:
+    key: a PRNG key.
+    logits_BV: float32 `[B, V]`.
+    temperature: float [] >= 0 (traced: no recompilation per value).
+    top_p: float [] in (0, 1].
+  """
+  greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  t = jnp.where(temperature > 0, temperature, 1.0)
+  scaled_BV = logits_BV.astype(jnp.float32) / t
+  order_BV = jnp.argsort(-scaled_BV, axis=-1, stable=True)  # descending, lower id first on ties
+  sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
+  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  above_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+  keep_BV = (above_BV < top_p) | (top_p >= 1.0)
+  keep_BV = keep_BV.at[:, 0].set(True)
+  pick_B = jax.random.categorical(key, jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
+  sampled_B = jnp.take_along_axis(order_BV, pick_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled_B, greedy_B)
+
+
+def _choose(logits_BV, key, step, temperature, top_p, done_B, eos, pad):
+  """Samples the next tokens; rows already done get `pad`; returns (tok_B, done_B)."""
+  tok_B = sample_tokens(jax.random.fold_in(key, step), logits_BV, temperature, top_p)
+  tok_B = jnp.where(done_B, pad, tok_B)
+  return tok_B, done_B | (tok_B == eos)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, state, prompt_BP, cache, key, temperature, top_p, eos, pad):
+  model = nnx.merge(graphdef, state)
+  logits_BV, cache = model.prefill(prompt_BP, cache)
+  done_B = jnp.zeros(prompt_BP.shape[0], bool)
+  tok_B, done_B = _choose(logits_BV, key, 0, temperature, top_p, done_B, eos, pad)
+  return tok_B, done_B, cache, logits_BV
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _decode(graphdef, state, tok_B, cache, key, step, temperature, top_p, done_B, eos, pad):
+  model = nnx.merge(graphdef, state)
+  logits_BV, cache = model.decode_step(tok_B, cache)
+  tok_B, done_B = _choose(logits_BV, key, step, temperature, top_p, done_B, eos, pad)
+  return tok_B, done_B, cache, logits_BV
+
+
+class Generation(NamedTuple):
+  """What `generate` returns.
+
+  tokens: int64 numpy `[B, P + n]`, prompts then n <= N new tokens (n < N only when every
+    row reached eos; after its eos a row holds pad).
+  logits: float32 numpy `[B, n, V]`, the logits each new token was chosen from (None unless
+    `return_logits`).
+  prefill_s: seconds of the prefill and the first new token (compilation included on a
+    first call with these shapes).
+  first_step_s: seconds of the first decode step (the second new token; compiles on a first
+    call), 0 if n < 2.
+  decode_s: seconds of the `steady_steps` = max(n - 2, 0) later decode steps.
+  """
+
+  tokens: np.ndarray
+  logits: np.ndarray | None
+  prefill_s: float
+  first_step_s: float
+  decode_s: float
+  steady_steps: int
+
+
+def generate(model: ZayaForCausalLM, input_ids_BP, max_new_tokens: int, *,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             eos_token_id: int | None = None, pad_token_id: int | None = None,
+             return_logits: bool = False) -> Generation:
+  """Continues equal-length prompts with a KV/conv cache: one compiled prefill, then one
+  compiled decode step per token.
+
+  Greedy (temperature 0) follows the rule of `greedy_generate_recompute` and `transformers`
+  `generate(do_sample=False)`; once a row emits `eos_token_id` its later tokens are
+  `pad_token_id`, and decoding stops when every row has finished.
+
+  Args:
+    model: our model (no device mesh; `cfg.skip_mode="zero"` to match transformers).
+    input_ids_BP: int `[B, P]` prompts, all of length P >= 1 (no padding).
+    max_new_tokens: N >= 0.
+    temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+    top_p: nucleus mass in (0, 1]; 1 keeps every token.
+    seed: sampling seed (the same seed gives the same tokens).
+    eos_token_id: stop token, or None to always generate N tokens.
+    pad_token_id: filler after a row's eos; default `model.cfg.pad_token_id`.
+    return_logits: also return the logits of every step.
+  Returns:
+    A `Generation`.
+  Raises:
+    ValueError: naming the argument, for a bad shape, max_new_tokens < 0, temperature < 0 or
+      top_p outside (0, 1].
+  """
+  prompt_BP = np.asarray(input_ids_BP, np.int64)
+  if prompt_BP.ndim != 2 or prompt_BP.shape[1] < 1:
+    raise ValueError(f"input_ids must be int [B, P] with P >= 1 (equal-length prompts), got "
+                     f"shape {prompt_BP.shape}")
+  if max_new_tokens < 0:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+  if not temperature >= 0:
+    raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = no nucleus filtering)")
+  pad = model.cfg.pad_token_id if pad_token_id is None else pad_token_id
+  b, p = prompt_BP.shape
+  out_BT = np.full((b, p + max_new_tokens), pad, np.int64)
+  out_BT[:, :p] = prompt_BP
+  if max_new_tokens == 0:
+    no_logits = np.zeros((b, 0, model.cfg.vocab_size), np.float32) if return_logits else None
+    return Generation(out_BT, no_logits, 0.0, 0.0, 0.0, 0)
+  graphdef, state = nnx.split(model)
+  temp, tp = jnp.float32(temperature), jnp.float32(top_p)
+  eos, pad_a = jnp.int32(-1 if eos_token_id is None else eos_token_id), jnp.int32(pad)
+  key = jax.random.key(seed)
+  cache = init_cache(model.cfg, b, p + max_new_tokens)
+  logits = []
+  t0 = time.perf_counter()
+  tok_B, done_B, cache, logits_BV = _prefill(graphdef, state, jnp.asarray(prompt_BP, jnp.int32), cache,
+                                             key, temp, tp, eos, pad_a)
+  out_BT[:, p] = np.asarray(tok_B)
+  t1 = time.perf_counter()
+  if return_logits:
+    logits.append(np.asarray(logits_BV))
+  n = 1
+  t_first = t1
+  while n < max_new_tokens and not (eos_token_id is not None and bool(np.asarray(done_B).all())):
+    tok_B, done_B, cache, logits_BV = _decode(graphdef, state, tok_B, cache, key, jnp.int32(n), temp,
+                                              tp, done_B, eos, pad_a)
+    out_BT[:, p + n] = np.asarray(tok_B)
+    if return_logits:
+      logits.append(np.asarray(logits_BV))
+    n += 1
+    if n == 2:
+      t_first = time.perf_counter()
+  t2 = time.perf_counter()
+  return Generation(out_BT[:, :p + n], np.stack(logits, axis=1) if return_logits else None,
+                    prefill_s=t1 - t0, first_step_s=t_first - t1, decode_s=t2 - t_first,
+                    steady_steps=max(n - 2, 0))

@@ -139,8 +139,14 @@ def summarize(src: str, step: int | None = None, verify: bool = True) -> str:
     if "train_meta" in items:
       meta = manager.restore(step, args=ocp.args.Composite(train_meta=ocp.args.StandardRestore(
           _target_from_metadata(items["train_meta"].tree)))).train_meta
+      small = {k: v for k, v in meta.items() if not isinstance(v, dict)}
       lines.append("train_meta: " + ", ".join(
-          f"{k}={np.asarray(v).tolist()}" for k, v in sorted(meta.items())))
+          f"{k}={np.asarray(v).tolist()}" for k, v in sorted(small.items())))
+      for k, v in sorted(meta.items()):  # e.g. the balancing controller's [L, X] state
+        if isinstance(v, dict):
+          lines.append(f"train_meta.{k}: " + ", ".join(
+              f"{n} {np.asarray(a).dtype}{list(np.shape(a))} max|.|={np.max(np.abs(a)):.4g}"
+              for n, a in sorted(v.items())))
     if "config" in items:
       config = json_out["config"]
       for key in ("runtime", "reshape"):

@@ -16,7 +16,7 @@ import torch
 from transformers import ZayaForCausalLM
 
 from tests.model import hf_reference
-from zaya_jax.generate import greedy_generate_recompute
+from zaya_jax.generate import generate, greedy_generate_recompute
 from zaya_jax.hf import load_pretrained
 
 PROMPT = 8  # tokens
@@ -89,3 +89,41 @@ def test_greedy_rejects_bad_input(models):
     greedy_generate_recompute(ours, prompt.numpy()[0], 2)
   with pytest.raises(ValueError, match="max_new_tokens"):
     greedy_generate_recompute(ours, prompt.numpy(), -1)
+
+
+def test_cached_generate_matches_transformers_generate(models):
+  """`zaya_jax.generate.generate` (KV/conv/delayed-value cache) = transformers' cached generate."""
+  hf, ours, prompt = models
+  got = generate(ours, prompt.numpy(), NEW).tokens
+  np.testing.assert_array_equal(got, hf_generate(hf, prompt, use_cache=True, eos_token_id=None))
+  free = got[:, PROMPT:]
+  eos = int(free[0, 3])
+  if eos not in free[0, :3]:
+    got = generate(ours, prompt.numpy(), NEW, eos_token_id=eos, pad_token_id=0).tokens
+    np.testing.assert_array_equal(got, hf_generate(hf, prompt, use_cache=True, eos_token_id=eos,
+                                                   pad_token_id=0))
+
+
+def test_generate_cli_on_a_run_and_an_hf_dir(tmp_path):
+  """launch.generate on a workdir (step 0 imported by launch.convert_from_hf) and on the HF
+  directory itself: same greedy text, a speed line; bad paths exit with one line."""
+  from tests.convert.test_launchers import CONFIG, HF_ARCH, cli
+
+  hf, _ = hf_reference.build(seed=7, **HF_ARCH)
+  hf.save_pretrained(tmp_path / "hf")
+  cache = tmp_path / "jax_cache"
+  cli("launch.convert_from_hf", f"--hf_dir={tmp_path / 'hf'}", f"--workdir={tmp_path / 'run'}",
+      *CONFIG, cache_dir=cache)
+  args = ["--prompt=def f(", "--max_new_tokens=6"]
+  _, run_out = cli("launch.generate", f"--workdir={tmp_path / 'run'}", *args, cache_dir=cache)
+  _, hf_out = cli("launch.generate", f"--hf_dir={tmp_path / 'hf'}", "--tokenizer=byte", *args,
+                  cache_dir=cache)
+  text = lambda out: [l for l in out.splitlines() if l.startswith("def f(")]
+  assert text(run_out) and text(run_out) == text(hf_out), (run_out[-2000:], hf_out[-2000:])
+  assert "tokens/s" in run_out and "step 0" in run_out
+  rc, out = cli("launch.generate", f"--workdir={tmp_path / 'nowhere'}", *args, cache_dir=cache,
+                check=False)
+  assert rc != 0 and "no such directory" in out.splitlines()[-1], out[-1000:]
+  rc, out = cli("launch.generate", f"--workdir={tmp_path / 'run'}", "--step=9", *args,
+                cache_dir=cache, check=False)
+  assert rc != 0 and "--step=9" in out, out[-1000:]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax import kernels
-from zaya_jax.model.attention import shift_right, shifted_same_document
+from zaya_jax.model.attention import dot_product_attention, shift_right, shifted_same_document
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.layers import compute_dtype, normal, param, zeros
 from zaya_jax.model.rope import apply_rope
@@ -142,3 +142,72 @@ class CCA(nnx.Module):
     o_BTNH = kernels.attention(self.cfg, q, k, v, segment_ids_BT, mask_BTS, sliding,
                                scale=self.cfg.head_dim ** -0.5)
     return jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(dtype)) + self._bias("o_bias", dtype)
+
+  # --- Incremental decoding (zaya_jax/generate.py) --------------------------------------------
+  def extend(self, a_BTD: jax.Array, cache: dict, start: jax.Array, cos_BTP: jax.Array,
+             sin_BTP: jax.Array, sliding: jax.Array | bool = False):
+    """CCA on T new tokens of one document that continue the `start` tokens held in `cache`.
+
+    The same function as `__call__` on the whole sequence (all tokens real, one document),
+    evaluated only at positions `start .. start+T-1`: the convolutions read the cached last
+    W0+W1-2 conv inputs, the delayed value reads the cached previous delayed projection, and
+    attention reads the cached keys/values (causal; on sliding layers `q - kv < window`).
+    Attention always runs on the XLA path (`dot_product_attention`), whatever `cfg.kernels`.
+
+    Args:
+      a_BTD: normed input of the new tokens.
+      cache: this layer's cache (see `transformer.init_cache`): `k`, `v` `[B, S, K, H]`
+        (S = max length; positions >= start are ignored), `conv` `[B, W0+W1-2, J, H]` (the
+        conv inputs `concat(q0, k0)` of the last W0+W1-2 tokens, zeros before the start),
+        `v_prev` `[B, K/2, H]` (the previous token's delayed value projection, without bias;
+        zeros before the start).
+      start: int32 [], tokens already in the cache (the position of the first new token).
+      cos_BTP, sin_BTP: RoPE tables of positions `start + arange(T)` (B may be 1).
+      sliding: bool [], a `hybrid_sliding` layer.
+    Returns:
+      `(out_BTD, new_cache)`: the block output in the compute dtype and the cache holding
+      `start + T` tokens.
+    """
+    cfg = self.cfg
+    dtype = compute_dtype(cfg.dtype)
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t, _ = a_BTD.shape
+    a_BTD = a_BTD.astype(dtype)
+    q0_BTNH = jnp.einsum("BTD,DNH->BTNH", a_BTD, self.q_proj[...].astype(dtype)) + self._bias("q_bias", dtype)
+    k0_BTKH = jnp.einsum("BTD,DKH->BTKH", a_BTD, self.k_proj[...].astype(dtype)) + self._bias("k_bias", dtype)
+    m_BTKGH = (q0_BTNH.reshape(b, t, k, n // k, h) + k0_BTKH[:, :, :, None, :]) * 0.5
+    # Conv over [cached inputs, new inputs]; outputs of the cached part are dropped. The
+    # cached zeros before the start equal `causal_conv`'s zero padding.
+    wc = cache["conv"].shape[1]
+    hist_BUJH = jnp.concatenate([cache["conv"].astype(dtype), jnp.concatenate([q0_BTNH, k0_BTKH], axis=2)],
+                                axis=1)
+    conv_BTJH = self.causal_conv(hist_BUJH, jnp.ones(hist_BUJH.shape[:2], jnp.int32))[:, wc:]
+    q_BTNH = conv_BTJH[:, :, :n] + m_BTKGH.reshape(b, t, n, h)
+    k_BTKH = conv_BTJH[:, :, n:] + jnp.mean(m_BTKGH, axis=3)
+    v_cur = jnp.einsum("BTD,DKH->BTKH", a_BTD, self.v_proj_current[...].astype(dtype))
+    v_cur = v_cur + self._bias("v_current_bias", dtype)
+    v_del_proj = jnp.einsum("BTD,DKH->BTKH", a_BTD, self.v_proj_delayed[...].astype(dtype))
+    v_del_all = jnp.concatenate([cache["v_prev"][:, None].astype(dtype), v_del_proj], axis=1)
+    v_del = v_del_all[:, :t] + self._bias("v_delayed_bias", dtype)
+    v_BTKH = jnp.concatenate([v_cur, v_del], axis=2)
+
+    q_BTNH, k_BTKH = self.qk_norm(q_BTNH, k_BTKH)
+    q_BTNH, k_BTKH = apply_rope(q_BTNH, cos_BTP, sin_BTP), apply_rope(k_BTKH, cos_BTP, sin_BTP)
+    k_BSKH = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_BTKH.astype(cache["k"].dtype), start, axis=1)
+    v_BSKH = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_BTKH.astype(cache["v"].dtype), start, axis=1)
+    s = k_BSKH.shape[1]
+    q_pos = start + jnp.arange(t, dtype=jnp.int32)[:, None]
+    kv_pos = jnp.arange(s, dtype=jnp.int32)[None, :]
+    allowed_TS = kv_pos <= q_pos
+    if cfg.sliding_window is not None:
+      allowed_TS &= jnp.logical_or(jnp.logical_not(sliding), kv_pos > q_pos - cfg.sliding_window)
+    o_BTNH = dot_product_attention(q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), allowed_TS[None],
+                                   scale=cfg.head_dim ** -0.5)
+    out_BTD = jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(dtype)) + self._bias("o_bias", dtype)
+    new_cache = {
+        "k": k_BSKH,
+        "v": v_BSKH,
+        "conv": hist_BUJH[:, hist_BUJH.shape[1] - wc:].astype(cache["conv"].dtype),
+        "v_prev": v_del_proj[:, -1].astype(cache["v_prev"].dtype),
+    }
+    return out_BTD, new_cache

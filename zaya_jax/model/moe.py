@@ -84,18 +84,23 @@ class MoE(nnx.Module):
     return jax.shard_map(body, in_specs=(tokens, tokens, experts, experts, experts),
                          out_specs=(tokens, tokens), check_vma=not kernel_gmm)(x_MD, class_M, *weights)
 
-  def __call__(self, b_BTD: jax.Array, r_prev_BTR: jax.Array, segment_ids_BT: jax.Array):
+  def __call__(self, b_BTD: jax.Array, r_prev_BTR: jax.Array, segment_ids_BT: jax.Array,
+               router_stats: bool = False):
     """Args: `b_BTD` the post-attention-normed input; `r_prev_BTR` float32 router state of the
-    previous layer (zeros for layer 0); `segment_ids_BT` (0 = pad, only for the counts).
+    previous layer (zeros for layer 0); `segment_ids_BT` (0 = pad, only for the statistics).
 
     Returns `(y_BTD, r_BTR, counts_X, dropped)`: the gated MoE output (compute dtype), this
     layer's router state, float32 numbers of non-padding tokens routed to each class, and the
-    float32 number of non-padding tokens dropped by a capacity-limited dispatch.
+    float32 number of non-padding tokens dropped by a capacity-limited dispatch. With
+    `router_stats`, a fifth element: a dict of float32 means over non-padding tokens,
+    `entropy` [] (-sum_x p log p, nats), `mean_probs` [X] (softmax) and `z2` []
+    (logsumexp(logits)^2), for metrics and the auxiliary losses (differentiable).
     """
     bsz, t, d = b_BTD.shape
     e = self.num_experts
     x_MD = b_BTD.reshape(bsz * t, d)
-    route, r_MR, probs_MX = self.router.route(x_MD, r_prev_BTR.reshape(bsz * t, -1))
+    route, r_MR, probs_MX, logits_MX = self.router.route(
+        x_MD, r_prev_BTR.reshape(bsz * t, -1), with_logits=True)
     class_M, gate_M = route.class_M, route.gate_M
     if self.force_balanced_routing:  # debug: round-robin over experts, for throughput runs
       class_M = jnp.arange(bsz * t, dtype=jnp.int32) % e
@@ -111,4 +116,13 @@ class MoE(nnx.Module):
     real_M = (segment_ids_BT.reshape(-1) != 0).astype(jnp.float32)
     counts_X = jnp.zeros((e + 1,), jnp.float32).at[class_M].add(real_M)
     dropped = jnp.sum(dropped_M * real_M)
-    return y_MD.reshape(bsz, t, d), r_MR.reshape(bsz, t, -1), counts_X, dropped
+    out = (y_MD.reshape(bsz, t, d), r_MR.reshape(bsz, t, -1), counts_X, dropped)
+    if not router_stats:
+      return out
+    n_real = jnp.maximum(jnp.sum(real_M), 1.0)
+    mean = lambda v_M: jnp.sum(v_M * real_M) / n_real
+    entropy_M = -jnp.sum(probs_MX * jax.nn.log_softmax(logits_MX, axis=-1), axis=-1)
+    stats = {"entropy": mean(entropy_M),
+             "mean_probs": jnp.sum(probs_MX * real_M[:, None], axis=0) / n_real,
+             "z2": mean(jnp.square(jax.nn.logsumexp(logits_MX, axis=-1)))}
+    return (*out, stats)

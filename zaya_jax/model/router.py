@@ -60,9 +60,10 @@ class Router(nnx.Module):
     route, r_MR, probs_MX = self.route(h_MD, r_prev_MR)
     return route.class_M, route.gate_M, r_MR, probs_MX
 
-  def route(self, h_MD: jax.Array, r_prev_MR: jax.Array):
+  def route(self, h_MD: jax.Array, r_prev_MR: jax.Array, with_logits: bool = False):
     """`(kernels.RouteResult, r_MR, probs_MX)`: as `__call__`, plus (with the "routing"
-    kernel) the permutation grouping tokens by class, for the MoE's local dispatch."""
+    kernel) the permutation grouping tokens by class, for the MoE's local dispatch. With
+    `with_logits`, a fourth element: the float32 router logits `[M, X]` (for the z-loss)."""
     h = h_MD.astype(jnp.float32)
     r_MR = h @ self.down_proj[...] + self.down_bias[...]
     r_MR = r_MR + r_prev_MR * self.router_states_scale[...]
@@ -72,4 +73,6 @@ class Router(nnx.Module):
     logits_MX = z @ self.out_proj[...]
     probs_MX = jax.nn.softmax(logits_MX, axis=-1)
     route = kernels.route(self.cfg, logits_MX, probs_MX, self.balancing_biases[...])
+    if with_logits:
+      return route, r_MR, probs_MX, logits_MX
     return route, r_MR, probs_MX

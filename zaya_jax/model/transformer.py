@@ -43,16 +43,31 @@ class ZayaLayer(nnx.Module):
 
   def __call__(self, x_BTD, r_prev_BTR, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS, sliding=False):
     """`x_BTD` float32 residual, `r_prev_BTR` previous router state ->
-    `(x_BTD, r_BTR, (counts_X, dropped))` (routing statistics, see `MoE.__call__`).
+    `(x_BTD, r_BTR, (counts_X, dropped, router_stats))` (routing statistics, see
+    `MoE.__call__` with `router_stats=True`).
     `mask_BTS` is None when attention runs as the Pallas kernel (`sliding` tells it the
     layer type)."""
     a_BTD = self.input_layernorm(x_BTD)
     o_BTD = self.self_attn(a_BTD, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS, sliding)
     x_BTD = self.post_attention_residual_scale(o_BTD, x_BTD)
     b_BTD = self.post_attention_layernorm(x_BTD)
-    y_BTD, r_BTR, counts_X, dropped = self.mlp(b_BTD, r_prev_BTR, segment_ids_BT)
+    y_BTD, r_BTR, counts_X, dropped, router_stats = self.mlp(b_BTD, r_prev_BTR, segment_ids_BT,
+                                                             router_stats=True)
     x_BTD = self.post_mlp_residual_scale(y_BTD, x_BTD)
-    return x_BTD, r_BTR, (counts_X, dropped)
+    return x_BTD, r_BTR, (counts_X, dropped, router_stats)
+
+  def extend(self, x_BTD, r_prev_BTR, cache, start, cos_BTP, sin_BTP, sliding=False):
+    """`__call__` for T new tokens continuing the `start` cached ones (one document per row):
+    `(x_BTD, r_BTR, new_cache)`. See `CCA.extend` for `cache`; the MoE is per token."""
+    a_BTD = self.input_layernorm(x_BTD)
+    o_BTD, cache = self.self_attn.extend(a_BTD, cache, start, cos_BTP, sin_BTP, sliding)
+    x_BTD = self.post_attention_residual_scale(o_BTD, x_BTD)
+    b_BTD = self.post_attention_layernorm(x_BTD)
+    seg_BT = jnp.ones(x_BTD.shape[:2], jnp.int32)
+    moe_out = self.mlp(b_BTD, r_prev_BTR, seg_BT)  # (y, r, statistics...)
+    y_BTD, r_BTR = moe_out[0], moe_out[1]
+    x_BTD = self.post_mlp_residual_scale(y_BTD, x_BTD)
+    return x_BTD, r_BTR, cache
 
 
 class ZayaForCausalLM(nnx.Module):
@@ -64,7 +79,10 @@ class ZayaForCausalLM(nnx.Module):
     positions    int32 `[B, T]` RoPE positions (default: position inside each document).
   Returns float32 logits `[B, T, V]`, and with `return_aux=True` also
   `{"expert_counts": float32 [L, X]` (non-padding tokens routed to each class per layer),
-  `"dropped_tokens": float32 [L]}` (non-padding tokens dropped by a capacity-limited dispatch).
+  `"dropped_tokens": float32 [L]` (non-padding tokens dropped by a capacity-limited dispatch),
+  and means over non-padding tokens `"router_entropy": float32 [L]` (-sum_x p log p, nats),
+  `"router_mean_probs": float32 [L, X]` (router softmax), `"router_z2": float32 [L]`
+  (logsumexp(router logits)^2)}; the router ones are differentiable (auxiliary losses).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -128,7 +146,7 @@ class ZayaForCausalLM(nnx.Module):
                           unroll=1 if cfg.scan_layers else True)
     b, t, _ = x_BTD.shape
     r0_BTR = jnp.zeros((b, t, cfg.router_hidden_size), jnp.float32)
-    (x_BTD, _), (counts_LX, dropped_L) = run_layers((x_BTD, r0_BTR), self.layers, jnp.asarray(is_sliding_L))
+    (x_BTD, _), (counts_LX, dropped_L, router_L) = run_layers((x_BTD, r0_BTR), self.layers, jnp.asarray(is_sliding_L))
 
     # Step 3: final norm and the tied LM head.
     dtype = compute_dtype(cfg.dtype)
@@ -138,8 +156,109 @@ class ZayaForCausalLM(nnx.Module):
     if cfg.lm_head_bias:
       logits_BTV = logits_BTV + self.lm_head_bias[...]
     if return_aux:
-      return logits_BTV, {"expert_counts": counts_LX, "dropped_tokens": dropped_L}
+      return logits_BTV, {"expert_counts": counts_LX, "dropped_tokens": dropped_L,
+                          "router_entropy": router_L["entropy"],
+                          "router_mean_probs": router_L["mean_probs"], "router_z2": router_L["z2"]}
     return logits_BTV
+
+  # --- Incremental decoding with a cache (zaya_jax/generate.py) --------------------------------
+  def forward_with_cache(self, input_ids, cache, *, last_only=False):
+    """Logits of T new tokens that continue the tokens held in `cache`, and the updated cache.
+
+    Equal (up to float summation order) to the logits at positions `n .. n+T-1` of `model(all
+    tokens)`, n = `cache["length"]`, for one document per row without padding (every row has
+    the same length). The router state passes across layers inside this call, so it needs no
+    cache. Attention always runs on the XLA path; run without a device mesh.
+
+    Args:
+      input_ids: int32 `[B, T]`, the next T tokens of every row.
+      cache: from `init_cache(cfg, B, S)` or a previous call; `n + T <= S` is required (beyond
+        it the returned logits are NaN).
+      last_only: return only the logits of the last new token, `[B, V]` (the LM head runs on
+        one position: what a prefill needs).
+    Returns:
+      `(logits, new_cache)`: float32 `[B, T, V]` (or `[B, V]`), and the cache holding n + T
+      tokens.
+    """
+    cfg = self.cfg
+    input_ids_BT = jnp.asarray(input_ids, jnp.int32)
+    if input_ids_BT.ndim != 2:
+      raise ValueError(f"input_ids must be int [B, T], got shape {input_ids_BT.shape}")
+    b, t = input_ids_BT.shape
+    if cache["k"].shape[1] != b:
+      raise ValueError(f"input_ids has batch {b} but the cache was made for batch "
+                       f"{cache['k'].shape[1]}; call init_cache(cfg, batch={b}, max_len=...)")
+    start = cache["length"]
+    h_BTD = self.embed_tokens[...][input_ids_BT]
+    x_BTD = ((h_BTD + self.input_hidden_states_bias[...]) * self.input_hidden_states_scale[...]).astype(jnp.float32)
+    positions_1T = (start + jnp.arange(t, dtype=jnp.int32))[None]
+    cos_f, sin_f = rope_cos_sin(positions_1T, cfg.rotary_dim, cfg.rope_theta)
+    cos_s, sin_s = rope_cos_sin(positions_1T, cfg.rotary_dim, cfg.rope_theta_sliding)
+    is_sliding_L = jnp.asarray([lt == "hybrid_sliding" for lt in cfg.layer_types])
+
+    def layer_step(carry, layer, sliding, layer_cache):
+      x, r = carry
+      x, r, layer_cache = layer.extend(x, r, layer_cache, start, jnp.where(sliding, cos_s, cos_f),
+                                       jnp.where(sliding, sin_s, sin_f), sliding)
+      return (x, r), layer_cache
+
+    run_layers = nnx.scan(layer_step, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
+                          unroll=1 if cfg.scan_layers else True)
+    layer_caches = {k: v for k, v in cache.items() if k != "length"}
+    r0_BTR = jnp.zeros((b, t, cfg.router_hidden_size), jnp.float32)
+    (x_BTD, _), layer_caches = run_layers((x_BTD, r0_BTR), self.layers, is_sliding_L, layer_caches)
+
+    if last_only:
+      x_BTD = x_BTD[:, -1:]
+    dtype = compute_dtype(cfg.dtype)
+    y_BTD = self.norm(x_BTD).astype(dtype)
+    logits_BTV = jnp.einsum("BTD,VD->BTV", y_BTD, self.embed_tokens[...].astype(dtype),
+                            preferred_element_type=jnp.float32)
+    if cfg.lm_head_bias:
+      logits_BTV = logits_BTV + self.lm_head_bias[...]
+    overflow = start + t > cache["k"].shape[2]
+    logits_BTV = jnp.where(overflow, jnp.nan, logits_BTV)
+    new_cache = dict(layer_caches, length=start + t)
+    return (logits_BTV[:, 0] if last_only else logits_BTV), new_cache
+
+  def prefill(self, input_ids, cache, *, last_only=True):
+    """The prompt `[B, P]` into `cache` (normally empty): `(logits [B, V] of the last prompt
+    token, or [B, P, V] with last_only=False; new_cache)`. See `forward_with_cache`."""
+    return self.forward_with_cache(input_ids, cache, last_only=last_only)
+
+  def decode_step(self, token_ids, cache):
+    """One new token per row, int32 `[B]` -> `(logits [B, V], new_cache)`."""
+    token_ids_B1 = jnp.asarray(token_ids, jnp.int32)[:, None]
+    return self.forward_with_cache(token_ids_B1, cache, last_only=True)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+  """An empty decoding cache for `batch` rows of up to `max_len` tokens (prompt + new tokens).
+
+  A dict of arrays stacked over layers (a pytree: jit/scan carry it), compute dtype:
+    k, v    `[L, B, S, K, H]` keys (after QK-norm and RoPE) and values, S = max_len (sliding
+            layers keep all S too and mask by position);
+    conv    `[L, B, W0+W1-2, J, H]` the CCA conv inputs `concat(q0, k0)` of the last
+            W0+W1-2 tokens (zeros before the first token, like the convolution's padding);
+    v_prev  `[L, B, K/2, H]` the previous token's delayed value projection without its bias
+            (zeros before the first token: the delayed value of token 0 is the bias);
+    length  int32 [] tokens held (the same for every row).
+  Raises:
+    ValueError: if `batch` or `max_len` is not a positive integer.
+  """
+  for name, v in (("batch", batch), ("max_len", max_len)):
+    if not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"init_cache: {name}={v!r} must be a positive integer")
+  dtype = compute_dtype(cfg.dtype)
+  l, k, h, j = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads + cfg.num_kv_heads
+  wc = cfg.cca_time0 + cfg.cca_time1 - 2
+  return {
+      "k": jnp.zeros((l, batch, max_len, k, h), dtype),
+      "v": jnp.zeros((l, batch, max_len, k, h), dtype),
+      "conv": jnp.zeros((l, batch, wc, j, h), dtype),
+      "v_prev": jnp.zeros((l, batch, k // 2, h), dtype),
+      "length": jnp.zeros((), jnp.int32),
+  }
 
 
 def init_rngs(seed: int) -> nnx.Rngs:

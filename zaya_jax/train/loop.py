@@ -6,6 +6,7 @@ Running the same command again resumes from the newest checkpoint in `workdir/ch
 run continues bit-for-bit on CPU. Outputs in `workdir`:
   checkpoints/<step>/   Orbax checkpoints (see zaya_jax/checkpoint.py)
   metrics.jsonl         one JSON object per line: {"kind": "train" | "eval", "step": ..., ...}
+  tensorboard/          the same records as TensorBoard events (zaya_jax/train/metrics.py)
 
 Fault tolerance (README "Fault tolerance"): the newest checkpoint that reads back intact is
 used (`Checkpointer.restore_latest`); SIGTERM/SIGINT end the run after the current step with a
@@ -19,7 +20,6 @@ late, so the host never waits for the step it just dispatched.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging as std_logging
 import os
 import time
@@ -33,13 +33,15 @@ from absl import logging
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.data import make_eval_batches, make_train_iterator
-from zaya_jax.train.optim import make_optimizer, make_schedule
+from zaya_jax.train.optim import describe_optimizer, make_optimizer, make_schedule
 from zaya_jax.parallel.mesh import (abstract_with_shardings, batch_sharding, check_divisibility, make_mesh,
                                     use_mesh)
 from zaya_jax.train.state import (TrainState, abstract_model, abstract_train_state, init_train_state,
                                   train_state_shardings)
 from zaya_jax.train.fault import StopSignals, Watchdog
-from zaya_jax.train.step import expert_load, make_eval_step, make_train_step
+from zaya_jax.train.metrics import METRICS_FILE, MetricsWriter
+from zaya_jax.train.step import (BALANCE_PER_LAYER, BALANCE_SCALARS, expert_load, make_eval_step,
+                                  make_train_step)
 
 # A run that goes non-finite again after this many rollbacks to one checkpoint stops.
 MAX_ROLLBACKS_PER_CHECKPOINT = 3
@@ -60,43 +62,6 @@ def quiet_library_logs() -> None:
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
     handler.addFilter(_QuietLibraries())
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-  """Drops records after `step` (written by a run that died after its last checkpoint), so a
-  resumed run's `metrics.jsonl` has one record per (kind, step)."""
-  if not os.path.exists(path):
-    return
-  with open(path, encoding="utf-8") as f:
-    lines = f.readlines()
-  def before_resume(line: str) -> bool:
-    try:
-      return json.loads(line).get("step", 0) <= step
-    except json.JSONDecodeError:  # a line cut short by a killed process
-      return False
-
-  keep = [l for l in lines if l.strip() and before_resume(l)]
-  if len(keep) != len(lines):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.writelines(keep)
-    os.replace(tmp, path)
-
-
-class MetricsWriter:
-  """Appends JSON lines to `workdir/metrics.jsonl` (process 0 only; others write nothing)."""
-
-  def __init__(self, path: str, enabled: bool):
-    self._file = open(path, "a", encoding="utf-8") if enabled else None
-
-  def write(self, record: dict[str, Any]) -> None:
-    if self._file is not None:
-      self._file.write(json.dumps(record) + "\n")
-      self._file.flush()
-
-  def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
 
 
 def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
@@ -182,9 +147,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
                                       seed=train.seed + latest, process_index=jax.process_index(),
                                       process_count=jax.process_count())
   step = int(state.step)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  if latest is not None and is_main:
-    _truncate_metrics(metrics_path, step)
+  metrics_path = os.path.join(workdir, METRICS_FILE)
   if step >= train.num_steps and is_main:
     logging.warning("checkpoint step %d >= train.num_steps=%d: nothing to train; raise "
                     "--config.train.num_steps to continue (the cosine schedule stretches to it)",
@@ -194,15 +157,18 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
     logging.info("%s at step %d/%d: %.2fM parameters, %d devices (%d processes), mesh %s, workdir %s",
                  "Resuming" if latest is not None else "Starting", step, train.num_steps,
                  n_params / 1e6, jax.device_count(), jax.process_count(), dict(mesh.shape), workdir)
+    if latest is None:  # the parameter groups, once per run
+      logging.info("parameter groups:\n%s", describe_optimizer(train, params_shape))
     if train.inject_nan_at_steps:
       logging.warning("train.inject_nan_at_steps=%s: NaN loss and gradients will be injected "
                       "(a test-only setting)", train.inject_nan_at_steps)
 
   train_step = make_train_step(graphdef, tx, schedule, state_sharding, data_sharding,
-                               fault_injection=bool(train.inject_nan_at_steps))
+                               fault_injection=bool(train.inject_nan_at_steps),
+                               balance=cfg.balance)
   poisoned: set[int] = set()  # injected steps: once each per process, so a rollback moves past them
   eval_step = make_eval_step(graphdef, state_sharding, data_sharding)
-  metrics_out = MetricsWriter(metrics_path, enabled=is_main)
+  metrics_out = MetricsWriter(metrics_path, enabled=is_main, resume_step=latest)  # drops records > latest
   tokens_per_step = train.batch_size * train.seq_len
   saved_step = latest
   watchdog = Watchdog(train.step_timeout_s)
@@ -251,8 +217,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
     zero = jax.device_put(np.int32(0), state_sharding.consecutive_skips)
     if is_main:  # the steps after the checkpoint are trained again: one record per step
       metrics_out.close()
-      _truncate_metrics(metrics_path, restored.step)
-      metrics_out = MetricsWriter(metrics_path, enabled=True)
+      metrics_out = MetricsWriter(metrics_path, enabled=True, resume_step=restored.step)
     return restored.state.replace(skipped_steps=skipped, consecutive_skips=zero)
 
   def check_previous(prev: dict[str, Any] | None) -> bool:
@@ -306,11 +271,16 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
             "tokens_per_s": tok_s, "skipped_steps": int(m["skipped_steps"]),
             "moe/dropped_fraction": float(m["moe/dropped_fraction"]),
             "expert_load": np.asarray(m["expert_load"]).tolist(),
+            **{k: float(m[k]) for k in BALANCE_SCALARS},
+            **{k: np.asarray(m[k]).tolist() for k in BALANCE_PER_LAYER},
         })
         if is_main:
-          logging.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s%s",
+          logging.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | "
+                       "max/mean load %.2f | skip %.3f | router entropy %.3f%s",
                        step, train.num_steps, m["loss"], m["lr"], m["grad_norm"],
                        "-" if tok_s is None else f"{tok_s:.0f}",
+                       m["balance/max_over_mean_max"], m["balance/skip_rate_mean"],
+                       m["router/entropy_mean"],
                        f" | {int(m['skipped_steps'])} skipped" if m["skipped_steps"] else "")
         window_start, window_steps = time.perf_counter(), 0
       if train.eval_every and step % train.eval_every == 0 and step != train.num_steps:

@@ -20,6 +20,7 @@ from flax import nnx
 
 from zaya_jax.model import ModelConfig, ZayaForCausalLM, init_rngs
 from zaya_jax.parallel.mesh import state_shardings
+from zaya_jax.train.balance import BalanceState, init_balance_state
 
 
 @flax.struct.dataclass
@@ -36,6 +37,9 @@ class TrainState:
       finite (`train/skipped_steps`); skipped updates still advance `step`.
     consecutive_skips: int32 [], skipped updates since the last applied one (the loop rolls
       back to the last checkpoint once it reaches `train.max_consecutive_skips`).
+    balance: the balancing-bias controller's state (zaya_jax/train/balance.py), float32
+      `{"integral": [L, X], "prev_error": [L, X]}`, replicated; None in states built without
+      it (treated as zeros by `train_step` and the checkpointer).
   """
 
   step: jax.Array
@@ -46,6 +50,7 @@ class TrainState:
   skipped_steps: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
   consecutive_skips: jax.Array = dataclasses.field(
       default_factory=lambda: jnp.zeros((), jnp.int32))
+  balance: BalanceState | None = None
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
@@ -75,6 +80,7 @@ def init_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
         model_state=model_state,
         opt_state=tx.init(params),
         rng=jax.random.key_data(jax.random.key(seed)),
+        balance=init_balance_state(model_cfg.num_layers, model_cfg.num_router_classes),
     )
 
   if mesh is None:

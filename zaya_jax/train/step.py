@@ -14,10 +14,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zaya_jax.config import BalanceConfig
+from zaya_jax.train import balance as balance_lib
 from zaya_jax.train.state import TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
+# Balancing / router metrics of `train_step` that the loop writes to the "train" records.
+BALANCE_SCALARS = ("balance/max_over_mean_max", "balance/skip_rate_mean", "router/entropy_mean",
+                   "router/z_loss", "router/load_balance_loss")  # float32 []
+BALANCE_PER_LAYER = ("balance/max_over_mean", "balance/skip_rate", "router/entropy",
+                     "balance/biases")  # [L] ([L, X] for the biases)
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array,
@@ -37,7 +44,7 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array,
 
 def _forward(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, batch: Batch):
   """`(loss_sum, tokens, aux)` of the model on one batch (aux: expert_counts [L, X],
-  dropped_tokens [L])."""
+  dropped_tokens [L], router_entropy [L], router_mean_probs [L, X], router_z2 [L])."""
   # copy=True: fresh Variables at the current trace level. The balancing biases come from the
   # jit trace while `params` come from the grad trace; nnx.scan inside the model refuses
   # Variables created at another trace level.
@@ -55,36 +62,64 @@ def expert_load(counts_LX: jax.Array) -> jax.Array:
 
 def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                schedule: optax.Schedule, state: TrainState, batch: Batch,
-               poison: jax.Array | None = None) -> tuple[TrainState, Metrics]:
+               poison: jax.Array | None = None,
+               balance: BalanceConfig | None = None) -> tuple[TrainState, Metrics]:
   """One optimizer update on the mean next-token loss; gradients w.r.t. `state.params` only.
 
-  An update whose loss or gradient norm is not finite is skipped: parameters and optimizer
-  state stay as they were, `step` still advances (the batch is consumed), `skipped_steps` and
-  `consecutive_skips` count it (the loop rolls back after too many in a row).
+  An update whose loss or gradient norm is not finite is skipped: parameters, optimizer
+  state, balancing biases and controller state stay as they were, `step` still advances (the
+  batch is consumed), `skipped_steps` and `consecutive_skips` count it (the loop rolls back
+  after too many in a row).
 
   Args:
     poison: test-only fault injection: a bool [] that, when true, makes this update's loss
       and gradients NaN (see `train.inject_nan_at_steps`); None compiles no injection.
+    balance: the `balance` config group. The controller (zaya_jax/train/balance.py) moves
+      the router balancing biases in `model_state` from this step's routing counts, for the
+      next step; its coefficients add the router z-loss / balance loss to the objective.
+      None (the default, for callers that predate it) = controller off, no auxiliary losses:
+      `model_state` stays untouched.
 
   Returns:
-    The new state (step + 1; `model_state` untouched) and float32 scalar metrics `loss`
-    (mean over masked tokens), `grad_norm` (global L2 norm before clipping), `lr` (the rate
-    this update used), `tokens` (masked tokens in the batch), `skipped` (1.0 if this update
-    was skipped), int32 `skipped_steps` / `consecutive_skips` (after this update), plus
-    `expert_load` [L, X] and `moe/dropped_fraction`.
+    The new state (step + 1) and metrics: float32 [] `loss` (mean next-token cross-entropy
+    over masked tokens; the objective adds the auxiliary losses, if any, to it), `grad_norm`
+    (global L2 norm before clipping), `lr` (the rate this update used), `tokens` (masked
+    tokens in the batch), `skipped` (1.0 if this update was skipped), int32 `skipped_steps` /
+    `consecutive_skips` (after this update), `expert_load` [L, X], `moe/dropped_fraction`,
+    `router/z_loss`, `router/load_balance_loss` (unweighted), and per layer
+    `balance/max_over_mean` [L] (max / mean expert load, skip excluded),
+    `balance/skip_rate` [L], `router/entropy` [L] (nats), `balance/biases` [L, X] (after
+    this update), with summaries `balance/max_over_mean_max`, `balance/skip_rate_mean`,
+    `router/entropy_mean` (float32 []).
   """
+  cfg = balance
 
   def loss_fn(params):
     loss_sum, tokens, aux = _forward(graphdef, params, state.model_state, batch)
-    return loss_sum / jnp.maximum(tokens, 1.0), (tokens, aux)
+    loss = loss_sum / jnp.maximum(tokens, 1.0)
+    router = balance_lib.aux_losses(aux, aux["expert_counts"].shape[-1] - 1)
+    objective = loss
+    if cfg is not None and cfg.router_z_loss:
+      objective = objective + cfg.router_z_loss * router["z_loss"]
+    if cfg is not None and cfg.load_balance_loss:
+      objective = objective + cfg.load_balance_loss * router["load_balance"]
+    return objective, (loss, tokens, aux, router)
 
-  (loss, (tokens, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  (objective, (loss, tokens, aux, router)), grads = jax.value_and_grad(
+      loss_fn, has_aux=True)(state.params)
   if poison is not None:
     loss = jnp.where(poison, jnp.nan, loss)
+    objective = jnp.where(poison, jnp.nan, objective)
     grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
   grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  finite = jnp.isfinite(objective) & jnp.isfinite(grad_norm)
   counts_LX = aux["expert_counts"]
+  model_state, balance_state = state.model_state, state.balance
+  if cfg is not None and cfg.enabled:
+    if balance_state is None:
+      balance_state = balance_lib.init_balance_state(*counts_LX.shape)
+    model_state, balance_state = balance_lib.update_model_state(
+        cfg, state.model_state, balance_state, jax.lax.stop_gradient(counts_LX), finite)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -95,7 +130,11 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       opt_state=keep_if_bad(opt_state, state.opt_state),
       skipped_steps=state.skipped_steps + skipped,
       consecutive_skips=(state.consecutive_skips + 1) * skipped,
+      model_state=model_state,
+      balance=balance_state,
   )
+  stats = balance_lib.load_stats(counts_LX)
+  entropy_L = aux["router_entropy"]
   metrics = {
       "loss": loss,
       "grad_norm": grad_norm,
@@ -106,6 +145,15 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       "consecutive_skips": new_state.consecutive_skips,
       "expert_load": expert_load(counts_LX),
       "moe/dropped_fraction": jnp.sum(aux["dropped_tokens"]) / jnp.maximum(jnp.sum(counts_LX), 1.0),
+      "router/z_loss": router["z_loss"],
+      "router/load_balance_loss": router["load_balance"],
+      "balance/max_over_mean": stats["max_over_mean"],
+      "balance/max_over_mean_max": jnp.max(stats["max_over_mean"]),
+      "balance/skip_rate": stats["skip_rate"],
+      "balance/skip_rate_mean": jnp.mean(stats["skip_rate"]),
+      "router/entropy": entropy_L,
+      "router/entropy_mean": jnp.mean(entropy_L),
+      "balance/biases": balance_lib.get_biases(model_state),
   }
   return new_state, metrics
 
@@ -118,11 +166,13 @@ def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> Metric
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, state_shardings=None, batch_sharding=None,
-                    fault_injection: bool = False) -> Callable[..., tuple[TrainState, Metrics]]:
+                    fault_injection: bool = False,
+                    balance: BalanceConfig | None = None) -> Callable[..., tuple[TrainState, Metrics]]:
   """`train_step` with the static parts bound, jitted; the input state's buffers are donated.
 
   With `fault_injection` the step takes a third argument, `poison` (bool []; see
-  `train_step`), for the loop's test-only `train.inject_nan_at_steps`.
+  `train_step`), for the loop's test-only `train.inject_nan_at_steps`. `balance`: the
+  balancing-bias controller config (see `train_step`; None = off).
 
   With `state_shardings` (a TrainState of NamedShardings) and `batch_sharding`, the step keeps
   the state in its sharding and metrics replicated; call it inside `jax.set_mesh(mesh)`.
@@ -134,9 +184,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     if kw:
       kw["in_shardings"] = (*kw["in_shardings"], None)
     return jax.jit(lambda state, batch, poison: train_step(graphdef, tx, schedule, state, batch,
-                                                           poison), donate_argnums=0, **kw)
-  return jax.jit(lambda state, batch: train_step(graphdef, tx, schedule, state, batch),
-                 donate_argnums=0, **kw)
+                                                           poison, balance), donate_argnums=0, **kw)
+  return jax.jit(lambda state, batch: train_step(graphdef, tx, schedule, state, batch,
+                                                 balance=balance), donate_argnums=0, **kw)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, state_shardings=None,

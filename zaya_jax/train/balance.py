@@ -1,0 +1,182 @@
+# Shape letters: L X E (see zaya_jax/__init__.py).
+"""Aux-loss-free load balancing: a PID controller on the router's balancing biases.
+
+The router picks `argmax(softmax(logits) + b)` per token (zaya_jax/model/router.py); the
+biases `b` [L, X] (`BalancingBias`, in `TrainState.model_state`) never see a gradient. After
+each train step's forward, `update_biases` moves them from that step's routing counts so that
+the next steps route evenly (paper §2, DeepSeek-V3's "auxiliary-loss-free" balancing).
+
+Error (a fraction of tokens, in [-1, 1]), per layer l, from `counts[l, x]` (non-padding tokens
+routed to class x this step, summed over the whole global batch):
+  experts x < E:  e[l, x] = 1/E - counts[l, x] / sum_{y<E} counts[l, y]
+    the target is uniform over the tokens that went to *an expert*, so the expert controller
+    is independent of how many tokens skip; the E errors sum to 0 in every layer;
+  skip x = E:     e[l, E] = skip_target - counts[l, E] / sum_{y<=E} counts[l, y]
+    only with `balance.skip_target` >= 0; otherwise 0 and the skip bias keeps its value.
+  A layer with no (expert-routed) tokens this step has error 0.
+
+Update (velocity form: the bias is the controller's output, the update its increment):
+  "pid":   integral <- clip(integral + e, -integral_clamp, integral_clamp)   (anti-windup)
+           delta     = kp * e + ki * integral + kd * (e - e_prev)
+  "sign":  delta     = rate * sign(e)   (DeepSeek-V3; integral stays 0)
+  experts: delta[l, :E] -= mean_x delta[l, :E]  (centred: the expert updates never shift the
+           experts' mean bias against the skip bias, so they do not move tokens to or from the
+           skip class; the skip controller alone does that)
+  b <- b + delta, then clip to [-bias_clamp, bias_clamp] if bias_clamp > 0; e_prev <- e.
+Because the bias accumulates the increments, `kp` acts as the integral gain of a classic PID on
+the bias, `kd` as its proportional gain and `ki` as a second integrator (keep it small). A
+skipped (non-finite) step, or `balance.enabled=False`, changes neither biases nor controller
+state. Bias units are probability units (they are added to softmax probabilities).
+
+Optional auxiliary losses, for comparison (coefficients default 0, i.e. off):
+  router z-loss   mean over layers of mean over tokens of logsumexp(logits)^2;
+  switch balance  mean over layers of E * sum_{x<E} f[l, x] * P[l, x], f the fraction of
+                  tokens routed to expert x (no gradient), P the mean router probability of x.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.config import BalanceConfig
+from zaya_jax.model.router import BalancingBias
+
+BalanceState = dict[str, jax.Array]  # {"integral": float32 [L, X], "prev_error": float32 [L, X]}
+
+
+def init_balance_state(num_layers: int, num_classes: int) -> BalanceState:
+  """Zero controller state: `integral` and `prev_error`, float32 [L, X] (X = E + 1)."""
+  zeros = lambda: jnp.zeros((num_layers, num_classes), jnp.float32)
+  return {"integral": zeros(), "prev_error": zeros()}
+
+
+def _is_bias(x: Any) -> bool:
+  return isinstance(x, BalancingBias)
+
+
+def get_biases(model_state: nnx.State) -> jax.Array:
+  """The balancing biases float32 [L, X] held in `model_state`.
+
+  Raises:
+    ValueError: if `model_state` does not hold exactly one `BalancingBias` variable.
+  """
+  found = [v for v in jax.tree.leaves(model_state, is_leaf=_is_bias) if _is_bias(v)]
+  if len(found) != 1:
+    raise ValueError(f"expected one BalancingBias [L, X] in the model state, found {len(found)}")
+  return found[0][...]
+
+
+def set_biases(model_state: nnx.State, biases_LX: jax.Array) -> nnx.State:
+  """A copy of `model_state` whose `BalancingBias` holds `biases_LX` (other leaves shared)."""
+  return jax.tree.map(lambda v: v.replace(biases_LX) if _is_bias(v) else v, model_state,
+                      is_leaf=_is_bias)
+
+
+def balance_error(counts_LX: jax.Array, skip_target: float | None) -> jax.Array:
+  """float32 [L, X]: target share minus observed share (module docstring), skip class last.
+
+  Args:
+    counts_LX: float32 non-padding tokens routed to each class this step.
+    skip_target: target fraction of all tokens for the skip class; None or < 0 = off (0 error).
+  """
+  counts_LX = counts_LX.astype(jnp.float32)
+  e = counts_LX.shape[-1] - 1
+  expert_LE = counts_LX[:, :e]
+  expert_total_L1 = jnp.sum(expert_LE, axis=-1, keepdims=True)
+  err_LE = 1.0 / e - expert_LE / jnp.maximum(expert_total_L1, 1.0)
+  err_LE = jnp.where(expert_total_L1 > 0, err_LE, 0.0)
+  if skip_target is None or skip_target < 0:
+    err_L1 = jnp.zeros_like(expert_total_L1)
+  else:
+    total_L1 = jnp.sum(counts_LX, axis=-1, keepdims=True)
+    err_L1 = skip_target - counts_LX[:, e:] / jnp.maximum(total_L1, 1.0)
+    err_L1 = jnp.where(total_L1 > 0, err_L1, 0.0)
+  return jnp.concatenate([err_LE, err_L1], axis=-1)
+
+
+def controller_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
+                    counts_LX: jax.Array,
+                    apply: jax.Array | bool = True) -> tuple[jax.Array, BalanceState]:
+  """One controller update: `(new biases [L, X], new state)` from this step's counts.
+
+  Args:
+    cfg: the `balance` config group.
+    biases_LX: float32 current balancing biases (skip class last).
+    state: controller state from `init_balance_state` (or the previous step).
+    counts_LX: float32 non-padding tokens routed to each class this step (global batch).
+    apply: bool []; where false (a skipped, non-finite step) biases and state are returned
+      unchanged.
+
+  Returns:
+    Biases and state for the next step; unchanged when `cfg.enabled` is False.
+  """
+  if not cfg.enabled:
+    return biases_LX, state
+  e = biases_LX.shape[-1] - 1
+  err_LX = balance_error(counts_LX, cfg.skip_target)
+  integral_LX = state["integral"]
+  if cfg.mode == "sign":
+    delta_LX = cfg.rate * jnp.sign(err_LX)
+  else:
+    integral_LX = jnp.clip(integral_LX + err_LX, -cfg.integral_clamp, cfg.integral_clamp)
+    delta_LX = cfg.kp * err_LX + cfg.ki * integral_LX + cfg.kd * (err_LX - state["prev_error"])
+  expert_LE = delta_LX[:, :e] - jnp.mean(delta_LX[:, :e], axis=-1, keepdims=True)
+  skip_on = cfg.skip_target is not None and cfg.skip_target >= 0
+  skip_L1 = delta_LX[:, e:] if skip_on else jnp.zeros_like(delta_LX[:, e:])
+  new_LX = biases_LX + jnp.concatenate([expert_LE, skip_L1], axis=-1)
+  if cfg.bias_clamp > 0:
+    clipped = jnp.clip(new_LX, -cfg.bias_clamp, cfg.bias_clamp)
+    controlled_X = jnp.arange(e + 1) < (e + 1 if skip_on else e)
+    new_LX = jnp.where(controlled_X, clipped, new_LX)
+  new_state = {"integral": integral_LX, "prev_error": err_LX}
+  keep = lambda new, old: jnp.where(apply, new, old)
+  return keep(new_LX, biases_LX), jax.tree.map(keep, new_state, state)
+
+
+def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: BalanceState,
+                       counts_LX: jax.Array,
+                       apply: jax.Array | bool = True) -> tuple[nnx.State, BalanceState]:
+  """`controller_step` on the biases inside `model_state`: `(new model_state, new state)`."""
+  biases_LX = get_biases(model_state)
+  new_LX, new_state = controller_step(cfg, biases_LX, state, counts_LX, apply)
+  return set_biases(model_state, new_LX), new_state
+
+
+def load_stats(counts_LX: jax.Array) -> dict[str, jax.Array]:
+  """Per-layer load statistics of one step's routing counts (float32 [L, X]).
+
+  Returns:
+    `max_over_mean` [L]: max over experts of the expert load / mean expert load (1 = perfect
+    balance, E = all expert-routed tokens on one expert; 1 for a layer with no expert tokens),
+    `skip_rate` [L]: fraction of non-padding tokens routed to the skip class.
+  """
+  counts_LX = counts_LX.astype(jnp.float32)
+  e = counts_LX.shape[-1] - 1
+  expert_LE = counts_LX[:, :e]
+  mean_L = jnp.mean(expert_LE, axis=-1)
+  max_over_mean = jnp.where(mean_L > 0, jnp.max(expert_LE, axis=-1) / jnp.maximum(mean_L, 1e-30), 1.0)
+  skip_rate = counts_LX[:, e] / jnp.maximum(jnp.sum(counts_LX, axis=-1), 1.0)
+  return {"max_over_mean": max_over_mean, "skip_rate": skip_rate}
+
+
+def aux_losses(aux: dict[str, jax.Array], num_experts: int) -> dict[str, jax.Array]:
+  """Auxiliary router losses (float32 [], means over layers) from the model's aux dict.
+
+  Args:
+    aux: `model(..., return_aux=True)[1]`: `expert_counts` [L, X], `router_mean_probs`
+      [L, X] (mean softmax over non-padding tokens), `router_z2` [L] (mean logsumexp^2).
+    num_experts: E.
+
+  Returns:
+    `z_loss` (router z-loss) and `load_balance` (switch-style, = 1 under uniform routing to
+    the experts with no skips).
+  """
+  counts_LX = jax.lax.stop_gradient(aux["expert_counts"])
+  f_LE = counts_LX[:, :num_experts] / jnp.maximum(jnp.sum(counts_LX, -1, keepdims=True), 1.0)
+  p_LE = aux["router_mean_probs"][:, :num_experts]
+  balance = num_experts * jnp.sum(f_LE * p_LE, axis=-1)
+  return {"z_loss": jnp.mean(aux["router_z2"]), "load_balance": jnp.mean(balance)}
