@@ -17,11 +17,11 @@ import re
 import sys
 
 import jax
-import orbax.checkpoint as ocp
 from absl import app, flags, logging
 from flax import nnx
 
-from zaya_jax.checkpoint import restore_model_state, saved_model_config, with_sharding
+from zaya_jax.checkpoint import (find_run_checkpoint, restore_model_state, saved_model_config,
+                                 with_sharding)
 from zaya_jax.hf import save_pretrained
 from zaya_jax.model import ZayaForCausalLM
 
@@ -43,42 +43,14 @@ def parse_size(text: str) -> int:
   return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def find_step(workdir: str, step: int | None) -> tuple[str, int, dict]:
-  """(checkpoint directory, step, saved RunConfig dict) to export; exits with one line if absent.
-
-  Args:
-    workdir: the training run directory.
-    step: the requested step, or None for the latest.
-  """
-  if not os.path.isdir(workdir):
-    sys.exit(f"--workdir={workdir}: no such directory")
-  ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  if not os.path.isdir(ckpt_dir):
-    sys.exit(f"no checkpoint in {workdir}: {ckpt_dir} does not exist (is it a training run's "
-             "--workdir?)")
-  manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False))
-  try:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      sys.exit(f"no checkpoint in {ckpt_dir}")
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
-      sys.exit(f"--step={step}: no such checkpoint in {ckpt_dir}; it holds steps {steps}")
-    try:
-      saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
-    except Exception as e:  # Orbax raises several types for missing/corrupt items
-      sys.exit(f"cannot read the config of checkpoint {ckpt_dir}/{step}: {e}")
-  finally:
-    manager.close()
-  return ckpt_dir, step, saved
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   max_shard = parse_size(_MAX_SHARD.value)
-  ckpt_dir, step, saved = find_step(_WORKDIR.value, _STEP.value)
+  try:
+    ckpt_dir, step, saved = find_run_checkpoint(_WORKDIR.value, _STEP.value)
+  except ValueError as e:
+    sys.exit(str(e))
   try:
     cfg = saved_model_config(saved)
   except (KeyError, TypeError, ValueError) as e:

@@ -21,11 +21,11 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import app, flags
 from flax import nnx
 
-from zaya_jax.checkpoint import restore_model_state, saved_model_config, with_sharding
+from zaya_jax.checkpoint import (find_run_checkpoint, restore_model_state, saved_model_config,
+                                 with_sharding)
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from zaya_jax.generate import generate
 from zaya_jax.model import ZayaForCausalLM
@@ -49,27 +49,10 @@ flags.mark_flags_as_required(["prompt"])
 
 def load_run(workdir: str, step: int | None):
   """(model, saved RunConfig dict, step) of a training run; exits with one line on a problem."""
-  if not os.path.isdir(workdir):
-    sys.exit(f"--workdir={workdir}: no such directory")
-  ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  if not os.path.isdir(ckpt_dir):
-    sys.exit(f"no checkpoint in {workdir}: {ckpt_dir} does not exist (is it a training run's "
-             "--workdir?)")
-  manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False))
   try:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      sys.exit(f"no checkpoint in {ckpt_dir}; train first (python -m launch.train ...)")
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
-      sys.exit(f"--step={step}: no such checkpoint in {ckpt_dir}; it holds steps {steps}")
-    try:
-      saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
-    except Exception as e:  # Orbax raises several types for missing/corrupt items
-      sys.exit(f"cannot read the config of checkpoint {ckpt_dir}/{step}: {e}")
-  finally:
-    manager.close()
+    ckpt_dir, step, saved = find_run_checkpoint(workdir, step)
+  except ValueError as e:
+    sys.exit(str(e))
   try:
     cfg = saved_model_config(saved).replace(kernels=())
   except (KeyError, TypeError, ValueError) as e:

@@ -503,6 +503,43 @@ class Checkpointer:
     return state, data_restored
 
 
+def find_run_checkpoint(workdir: str, step: int | None) -> tuple[str, int, dict[str, Any]]:
+  """`(checkpoints directory, step, saved RunConfig dict)` of a training run's checkpoint.
+
+  For the offline tools (`launch.convert_to_hf`, `launch.generate`).
+
+  Args:
+    workdir: the training run directory (holding `checkpoints/`).
+    step: the requested step, or None for the latest.
+
+  Raises:
+    ValueError: no such directory, no checkpoint, no such step (listing the steps held), or
+      an unreadable config; one line naming the path and the fix.
+  """
+  if not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir}: no such directory")
+  ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  if not os.path.isdir(ckpt_dir):
+    raise ValueError(f"no checkpoint in {workdir}: {ckpt_dir} does not exist (is it a training "
+                     "run's --workdir?)")
+  manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False))
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise ValueError(f"no checkpoint in {ckpt_dir}; train first (python -m launch.train ...)")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise ValueError(f"--step={step}: no such checkpoint in {ckpt_dir}; it holds steps {steps}")
+    try:
+      saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+    except Exception as e:  # Orbax raises several types for missing/corrupt items
+      raise ValueError(f"cannot read the config of checkpoint {ckpt_dir}/{step}: {e}") from e
+  finally:
+    manager.close()
+  return ckpt_dir, step, saved
+
+
 def restore_model_state(directory: str, abstract_model_state: nnx.State,
                         step: int | None = None) -> nnx.State:
   """Only the `model` item (params + balancing biases) of a run's checkpoint, e.g. for eval.

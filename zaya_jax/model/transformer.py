@@ -149,12 +149,7 @@ class ZayaForCausalLM(nnx.Module):
     (x_BTD, _), (counts_LX, dropped_L, router_L) = run_layers((x_BTD, r0_BTR), self.layers, jnp.asarray(is_sliding_L))
 
     # Step 3: final norm and the tied LM head.
-    dtype = compute_dtype(cfg.dtype)
-    y_BTD = self.norm(x_BTD).astype(dtype)
-    logits_BTV = jnp.einsum("BTD,VD->BTV", y_BTD, self.embed_tokens[...].astype(dtype),
-                            preferred_element_type=jnp.float32)
-    if cfg.lm_head_bias:
-      logits_BTV = logits_BTV + self.lm_head_bias[...]
+    logits_BTV = self.lm_head(x_BTD)
     if return_aux:
       return logits_BTV, {"expert_counts": counts_LX, "dropped_tokens": dropped_L,
                           "router_entropy": router_L["entropy"],
@@ -162,6 +157,16 @@ class ZayaForCausalLM(nnx.Module):
     return logits_BTV
 
   # --- Incremental decoding with a cache (zaya_jax/generate.py) --------------------------------
+  def lm_head(self, x_BTD: jax.Array) -> jax.Array:
+    """Final RMSNorm and the tied LM head: float32 residual `[B, T, D]` -> float32 logits `[B, T, V]`."""
+    dtype = compute_dtype(self.cfg.dtype)
+    y_BTD = self.norm(x_BTD).astype(dtype)
+    logits_BTV = jnp.einsum("BTD,VD->BTV", y_BTD, self.embed_tokens[...].astype(dtype),
+                            preferred_element_type=jnp.float32)
+    if self.cfg.lm_head_bias:
+      logits_BTV = logits_BTV + self.lm_head_bias[...]
+    return logits_BTV
+
   def forward_with_cache(self, input_ids, cache, *, last_only=False):
     """Logits of T new tokens that continue the tokens held in `cache`, and the updated cache.
 
@@ -210,12 +215,7 @@ class ZayaForCausalLM(nnx.Module):
 
     if last_only:
       x_BTD = x_BTD[:, -1:]
-    dtype = compute_dtype(cfg.dtype)
-    y_BTD = self.norm(x_BTD).astype(dtype)
-    logits_BTV = jnp.einsum("BTD,VD->BTV", y_BTD, self.embed_tokens[...].astype(dtype),
-                            preferred_element_type=jnp.float32)
-    if cfg.lm_head_bias:
-      logits_BTV = logits_BTV + self.lm_head_bias[...]
+    logits_BTV = self.lm_head(x_BTD)
     overflow = start + t > cache["k"].shape[2]
     logits_BTV = jnp.where(overflow, jnp.nan, logits_BTV)
     new_cache = dict(layer_caches, length=start + t)
