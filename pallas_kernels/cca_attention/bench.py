@@ -15,25 +15,13 @@ the figures only prove that it runs.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import median_seconds
 from pallas_kernels.cca_attention.ops import cca_flash_attention
 from pallas_kernels.cca_attention.reference import attention_reference
-
-
-def _median_seconds(fn, args, iters: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm-up
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def _visible_pairs(seq: int, window: int | None) -> int:
@@ -97,7 +85,7 @@ def main() -> None:
   if on_cpu:
     print("CPU: interpret mode, tiny shapes -- these figures only prove that it runs.")
   for label, wrap, flops, nbytes in cases:
-    secs = {name: _median_seconds(wrap(fn), (q, k, v, seg), iters) for name, fn in fns.items()}
+    secs = {name: median_seconds(wrap(fn), (q, k, v, seg), iters) for name, fn in fns.items()}
     for name, s in secs.items():
       print(f"{label:8s} {name:6s} {s * 1e3:10.3f} ms  {flops / s / 1e12:8.3f} TFLOP/s  "
             f"{nbytes / s / 1e9:8.2f} GB/s")

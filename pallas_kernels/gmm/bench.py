@@ -12,26 +12,14 @@ runs tiny shapes in interpret mode: the figures then only prove that it runs.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import median_seconds
 from pallas_kernels.gmm.ops import GmmBlockSizes, gmm
 
 TINY = dict(tokens=64, d_model=32, expert_width=48, experts=4)
-
-
-def median_seconds(fn, args, repeats: int) -> float:
-  """Median wall time of `fn(*args)` over `repeats` calls, after one warm-up (compile) call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def balanced_group_sizes(tokens: int, experts: int, key: jax.Array) -> jax.Array:
@@ -90,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
       else:
         timed = jax.jit(lambda a, b, g, c, fn=fn: jax.vjp(lambda a, b: fn(a, b, g), a, b)[1](c))
       call_args = (lhs, rhs, gs) if mode == "forward" else (lhs, rhs, gs, ct)
-      seconds = median_seconds(timed, call_args, args.repeats)
+      seconds = median_seconds(timed, call_args, args.repeats, warmup=1)
       results[mode, name] = seconds
       print(f"{mode:8s} {name:10s} {seconds * 1e3:9.3f} ms  "
             f"{products * flops / seconds / 1e12:8.2f} TFLOP/s  "

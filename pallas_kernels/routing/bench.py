@@ -12,26 +12,13 @@ inverse and the two [X] tables out). On CPU the kernels run in interpret mode on
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import resolve_interpret
+from pallas_kernels.common import median_seconds, resolve_interpret
 from pallas_kernels.routing.ops import RoutingBlockSizes, route
 from pallas_kernels.routing.reference import route_reference
-
-
-def _median_seconds(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm-up
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -54,8 +41,8 @@ def main(argv=None) -> None:
   biases_X = jnp.zeros((x,), jnp.float32).at[-1].set(-1.0)
   kernel_fn = jax.jit(lambda l, b: route(l, b, block=block, interpret=interpret))
   reference_fn = jax.jit(route_reference)
-  t_kernel = _median_seconds(kernel_fn, (logits_MX, biases_X), repeats)
-  t_ref = _median_seconds(reference_fn, (logits_MX, biases_X), repeats)
+  t_kernel = median_seconds(kernel_fn, (logits_MX, biases_X), repeats)
+  t_ref = median_seconds(reference_fn, (logits_MX, biases_X), repeats)
   nbytes = m * x * 4 + x * 4 + m * 4 * 4 + 2 * x * 4
 
   print(f"routing M={m} X={x} block_m={block.block_m} num_warps={block.num_warps} "
