@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -49,15 +47,3 @@ def out_struct(shape: tuple[int, ...], dtype: Any, *inputs: Any) -> jax.ShapeDty
                               manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
-def median_seconds(fn: Callable[..., Any], args: Sequence[Any], repeats: int,
-                   warmup: int = 2) -> float:
-  """Median wall time in seconds of `fn(*args)` over `repeats` calls, after `warmup` calls
-  (the first compiles). For the kernels' bench.py entry points."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)

@@ -16,7 +16,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import median_seconds, resolve_interpret
+from pallas_kernels.common import resolve_interpret
+from zaya_jax.perf.timing import median_seconds
 from pallas_kernels.routing.ops import RoutingBlockSizes, route
 from pallas_kernels.routing.reference import route_reference
 
