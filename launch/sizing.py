@@ -1,0 +1,72 @@
+"""Analytic sizing of a model config on an accelerator: parameters, FLOPs, memory, GEMMs, roofline.
+
+  python -m launch.sizing --config=configs/zaya1_base.py --num_devices=64 --profile=mi300x
+  python -m launch.sizing --config=configs/zaya1_base.py --num_devices=1024 --mesh=1,128,8 \
+      --batch_size=1024 --seq_len=4096 --dtype=bfloat16 --remat=full
+
+Nothing runs on a device: the figures are arithmetic on the config (zaya_jax.perf.sizing,
+zaya_jax.perf.roofline). `--mesh` is data,fsdp,expert (one may be -1); default FSDP over all
+devices. The global batch defaults to config.train.batch_size, rounded up to a multiple of
+the device count.
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from zaya_jax.config import ConfigError
+from zaya_jax.parallel import mesh_sweep
+from zaya_jax.parallel.mesh import MeshConfig
+from zaya_jax.perf import roofline
+from zaya_jax.perf.accelerators import get_profile
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file, e.g. configs/zaya1_base.py.", lock_config=True)
+_NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the mesh.")
+_PROFILE = flags.DEFINE_string("profile", "mi300x", "Accelerator profile: mi300x, mi325x, h100, h200.")
+_MESH = flags.DEFINE_string("mesh", None, "data,fsdp,expert sizes (one may be -1); default 1,-1,1.")
+_BATCH = flags.DEFINE_integer("batch_size", None, "Global sequences per step; default "
+                              "config.train.batch_size rounded up to a multiple of num_devices.")
+_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence; default config.train.seq_len.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(roofline.DTYPE_BYTES), "GEMM compute dtype.")
+_REMAT = flags.DEFINE_enum("remat", None, list(roofline.REMATS),
+                           "Rematerialisation; default from config.model.remat.")
+_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences per decode step (one device).")
+flags.mark_flags_as_required(["config"])
+
+
+def _positive(name: str, value: int | None) -> None:
+  if value is not None and value < 1:
+    raise ValueError(f"--{name}={value} must be a positive integer")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    for name, flag in (("num_devices", _NUM_DEVICES), ("batch_size", _BATCH), ("seq_len", _SEQ),
+                       ("decode_batch", _DECODE_BATCH)):
+      _positive(name, flag.value)
+    model_cfg, train_cfg = mesh_sweep.sweep_configs(_CONFIG.value)
+    profile = get_profile(_PROFILE.value)
+    mesh = None
+    if _MESH.value:
+      try:
+        mesh = MeshConfig(*(int(v) for v in _MESH.value.split(",")))
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"--mesh={_MESH.value!r}: expected data,fsdp,expert integers ({e})") from e
+    n = _NUM_DEVICES.value
+    batch = _BATCH.value or -(-train_cfg.batch_size // n) * n
+    remat = _REMAT.value or ("full" if model_cfg.remat else "none")
+    est = roofline.estimate(model_cfg, profile, num_devices=n, batch_size=batch,
+                            seq_len=_SEQ.value or train_cfg.seq_len, dtype=_DTYPE.value, remat=remat,
+                            mesh=mesh, decode_batch=_DECODE_BATCH.value)
+  except (ConfigError, ValueError) as e:
+    sys.exit(f"invalid arguments: {e}")
+  violations = roofline.check(model_cfg, profile, est)
+  print(roofline.format_report(model_cfg, profile, est, violations))
+
+
+if __name__ == "__main__":
+  app.run(main)
