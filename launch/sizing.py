@@ -8,6 +8,12 @@ Nothing runs on a device: the figures are arithmetic on the config (zaya_jax.per
 zaya_jax.perf.roofline). `--mesh` is data,fsdp,expert (one may be -1); default FSDP over all
 devices. The global batch defaults to config.train.batch_size, rounded up to a multiple of
 the device count.
+
+`--gemm_table=bench_gemm.csv` (from `python -m launch.bench_gemm --config=... --out=DIR`,
+run on the user's own accelerator) replaces the roofline time of every GEMM by the measured
+one (exact shape, or interpolated from the nearest measured shapes: zaya_jax.perf.gemm
+.GemmTable); attention, convolutions and communication stay on the roofline of `--profile`,
+which should name the same accelerator (MFU is against its peak).
 """
 
 import sys
@@ -19,6 +25,7 @@ from zaya_jax.config import ConfigError
 from zaya_jax.parallel import mesh_sweep
 from zaya_jax.parallel.mesh import MeshConfig
 from zaya_jax.perf import roofline
+from zaya_jax.perf.gemm import GemmTable
 from zaya_jax.perf.accelerators import get_profile
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -33,6 +40,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(roofline.DTYPE_BYTES), "GEM
 _REMAT = flags.DEFINE_enum("remat", None, list(roofline.REMATS),
                            "Rematerialisation; default from config.model.remat.")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences per decode step (one device).")
+_GEMM_TABLE = flags.DEFINE_string("gemm_table", None, "CSV from launch.bench_gemm: measured GEMM "
+                                  "times replace the roofline's (default: roofline only).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -59,11 +68,22 @@ def main(argv):
     n = _NUM_DEVICES.value
     batch = _BATCH.value or -(-train_cfg.batch_size // n) * n
     remat = _REMAT.value or ("full" if model_cfg.remat else "none")
+    table = None
+    if _GEMM_TABLE.value:
+      try:
+        table = GemmTable.from_csv(_GEMM_TABLE.value)
+      except OSError as e:
+        raise ValueError(f"--gemm_table={_GEMM_TABLE.value}: {e}") from e
     est = roofline.estimate(model_cfg, profile, num_devices=n, batch_size=batch,
                             seq_len=_SEQ.value or train_cfg.seq_len, dtype=_DTYPE.value, remat=remat,
-                            mesh=mesh, decode_batch=_DECODE_BATCH.value)
+                            mesh=mesh, decode_batch=_DECODE_BATCH.value,
+                            gemm_seconds=table.seconds if table else None)
   except (ConfigError, ValueError) as e:
     sys.exit(f"invalid arguments: {e}")
+  if table:
+    print(f"GEMM times: measured, from --gemm_table={_GEMM_TABLE.value} (exact shapes or "
+          f"interpolated from the nearest measured ones); the rest on the {profile.name} roofline, "
+          f"MFU against its peak: the table should come from a {profile.name}.\n")
   violations = roofline.check(model_cfg, profile, est)
   print(roofline.format_report(model_cfg, profile, est, violations))
 

@@ -22,6 +22,7 @@ import torch
 from flax import nnx
 from transformers import ZayaConfig, ZayaForCausalLM
 
+from configs import zaya1_tiny
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.transformer import ZayaForCausalLM as JaxZaya
 from zaya_jax.parallel.mesh import MeshConfig
@@ -230,3 +231,26 @@ def test_cli_tiny_and_bad_flags():
     assert part in out.stdout
   bad = _cli("--config=configs/zaya1_tiny.py", "--profile=tpu9")
   assert bad.returncode != 0 and "tpu9" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cli_gemm_table_replaces_roofline_gemm_times(tmp_path):
+  """With a measured table of a flat 1 TFLOP/s, every GEMM's time in the report is its
+  forward + backward FLOPs / 1e12 (3x forward), not the profile's roofline; a missing table
+  is a one-line error."""
+  rows = ["kind,name,dtype,m,n,k,seconds"]
+  for dtype in ("float32", "bfloat16"):
+    for m, n, k in ((64, 64, 64), (512, 512, 512), (4096, 512, 64), (64, 4096, 4096)):
+      rows.append(f"square,x,{dtype},{m},{n},{k},{2 * m * n * k / 1e12:.9e}")
+  table = tmp_path / "bench_gemm.csv"
+  table.write_text("\n".join(rows) + "\n")
+  out = _cli("--config=configs/zaya1_tiny.py", "--num_devices=1", "--batch_size=8", "--seq_len=256",
+             "--profile=mi300x", f"--gemm_table={table}")
+  assert out.returncode == 0, out.stderr
+  assert "GEMM times: measured" in out.stdout
+  cfg = ModelConfig(**{**dict(zaya1_tiny.get_config().model),
+                       "layer_types": tuple(zaya1_tiny.get_config().model.layer_types)})
+  lm_head = next(g for g in sizing.model_gemms(cfg, 8 * 256) if g.name == "lm_head")
+  line = next(l for l in out.stdout.splitlines() if l.startswith("lm_head "))
+  assert float(line.split()[-1]) == pytest.approx(3 * lm_head.flops / 1e12 * 1e3, rel=2e-2)
+  missing = _cli("--config=configs/zaya1_tiny.py", "--gemm_table=/nonexistent/bench_gemm.csv")
+  assert missing.returncode != 0 and "--gemm_table" in missing.stderr
