@@ -39,6 +39,9 @@ def get_config() -> ml_collections.ConfigDict:
   m.attention_bias = False  # biases on the q/k/v/o projections
   m.lm_head_bias = False  # bias on the (tied) LM head
   m.initializer_range = 0.02  # std of the normal init of weight matrices
+  # Router MLP init: "fan_in" (std 1/sqrt(R): fresh logits differ between tokens, so the
+  # balancing biases can split them from step 0) | "normal" (initializer_range, as HF).
+  m.router_init = "fan_in"
   m.skip_mode = "scaled_identity"  # skip-class output: "scaled_identity" (gate * x, Zyphra) | "zero" (HF)
   m.dtype = "float32"  # matmul compute dtype: "float32" | "bfloat16" (params, residual stay f32)
   m.scan_layers = True  # run layers with nnx.scan: compile time independent of depth
@@ -71,6 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.num_steps = 100_000  # optimizer steps in the whole run (defines the LR schedule's length)
   t.max_steps_per_run = 0  # leave (after a checkpoint) once this process ran this many steps; 0 = run to num_steps
   t.batch_size = 256  # sequences per step, global (over all processes)
+  t.grad_accum_steps = 1  # micro-batches per step: gradients summed, activations of one micro-batch
   t.seq_len = 4096  # tokens per sequence (packed documents)
   t.lr = 3e-4  # peak learning rate, reached at the end of warmup
   t.warmup_steps = 2_000  # steps of linear warmup from 0 to lr

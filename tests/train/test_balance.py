@@ -185,3 +185,34 @@ def test_state_without_controller_state_gets_zeros(tiny):
                                                   balance=BalanceConfig()),
                           legacy, random_batch(np.random.default_rng(3)))
   assert new.balance["integral"].shape == (model_cfg.num_layers, model_cfg.num_router_classes)
+
+
+@pytest.mark.parametrize("router_init", ["fan_in", "normal"])
+def test_fresh_model_router_can_be_balanced_only_with_fan_in_init(router_init):
+  """The controller on a real, freshly initialised (frozen) model, fresh random bytes each
+  step. With `router_init="fan_in"` the router's probabilities differ between tokens, so the
+  biases split them: max/mean load falls from its initial value to < 1.5 (per-step sampling
+  noise over 512 tokens per layer is ~1.2). With "normal" (HF's initializer_range 0.02 on all
+  three router layers) every token gets the same probabilities to ~1e-5, so each layer sends
+  all its tokens to one expert whatever the biases (max/mean = E)."""
+  from zaya_jax.model.transformer import create_model
+  from flax import nnx
+  cfg = dataclasses.replace(tiny_model_config(), num_experts=8, router_init=router_init)
+  graphdef, params, rest = nnx.split(create_model(cfg, seed=0), nnx.Param, ...)
+
+  @jax.jit
+  def counts(params, rest, ids):
+    _, aux = nnx.merge(graphdef, params, rest)(ids, return_aux=True)
+    return aux["expert_counts"]
+
+  rng = np.random.default_rng(0)
+  bal, state, loads = BalanceConfig(), B.init_balance_state(cfg.num_layers, 9), []
+  for _ in range(40):
+    c = counts(params, rest, jnp.asarray(rng.integers(3, 259, (4, 128))))
+    loads.append(float(jnp.max(B.load_stats(c)["max_over_mean"])))
+    rest, state = B.update_model_state(bal, rest, state, c)
+  late = float(np.mean(loads[-10:]))
+  if router_init == "fan_in":
+    assert late < 1.5, loads
+  else:
+    assert late > 7.0, loads

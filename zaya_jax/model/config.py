@@ -12,6 +12,7 @@ from typing import Any
 LAYER_TYPES = ("hybrid", "hybrid_sliding")  # full causal attention | sliding-window attention
 SKIP_MODES = ("zero", "scaled_identity")  # transformers | Zyphra's original trainer (gate * x)
 DTYPES = ("float32", "bfloat16")
+ROUTER_INITS = ("fan_in", "normal")  # router MLP init: std 1/sqrt(fan_in) | initializer_range
 KERNEL_OPS = ("routing", "gmm", "attention")  # ops with a Pallas kernel (pallas_kernels/)
 
 
@@ -45,6 +46,11 @@ class ModelConfig:
   lm_head_bias: bool = False  # bias on the tied LM head
   initializer_range: float = 0.02  # std of normal init for matrices
   skip_mode: str = "scaled_identity"  # one of SKIP_MODES; HF parity needs "zero"
+  # Init of the router MLP (fc1, fc2, out_proj); one of ROUTER_INITS. "normal" (std
+  # initializer_range, as HF `_init_weights`) shrinks each layer's output ~0.02*sqrt(R)x, so a
+  # fresh router gives every token the same probabilities (spread ~1e-5) and the balancing
+  # biases cannot split tokens between experts; "fan_in" keeps the logits' spread O(1).
+  router_init: str = "fan_in"
   dtype: str = "float32"  # compute dtype of matmuls (params, residual, norms, softmax stay f32)
   scan_layers: bool = True  # run layers with nnx.scan (compile time independent of depth)
   remat: bool = False  # rematerialise each layer in the backward pass
@@ -87,6 +93,8 @@ class ModelConfig:
            "be an even integer in (0, head_dim]")
     if self.skip_mode not in SKIP_MODES:
       fail("skip_mode", f"{self.skip_mode!r}; must be one of {SKIP_MODES}")
+    if self.router_init not in ROUTER_INITS:
+      fail("router_init", f"{self.router_init!r}; must be one of {ROUTER_INITS}")
     if self.gmm_impl not in ("auto", "ragged_dot", "tiled"):
       fail("gmm_impl", f"{self.gmm_impl!r}; must be one of ('auto', 'ragged_dot', 'tiled')")
     for op in self.kernels:

@@ -43,16 +43,19 @@ class Router(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None):
     d, r, x = cfg.hidden_size, cfg.router_hidden_size, cfg.num_router_classes
     init = normal(cfg.initializer_range)
+    # The router MLP's own init (ModelConfig.router_init): "fan_in" keeps each layer's output
+    # variance, so fresh logits differ between tokens and the balancing biases can split them.
+    mlp_init = normal(r ** -0.5) if cfg.router_init == "fan_in" else init
     self.cfg = cfg
     self.down_proj = param(rngs, init, (d, r), ("embed", "router"))  # MD,DR->MR
     self.down_bias = param(rngs, zeros, (r,), ("router",))
     self.router_states_scale = param(rngs, ones, (r,), ("router",))  # EDA scale (unused on layer 0)
     self.norm = RMSNorm(r, cfg.rms_norm_eps, name="router", rngs=rngs)
-    self.fc1 = param(rngs, init, (r, r), ("router", None))
+    self.fc1 = param(rngs, mlp_init, (r, r), ("router", None))
     self.fc1_bias = param(rngs, zeros, (r,), (None,))
-    self.fc2 = param(rngs, init, (r, r), ("router", None))
+    self.fc2 = param(rngs, mlp_init, (r, r), ("router", None))
     self.fc2_bias = param(rngs, zeros, (r,), (None,))
-    self.out_proj = param(rngs, init, (r, x), ("router", "classes"))  # MR,RX->MX
+    self.out_proj = param(rngs, mlp_init, (r, x), ("router", "classes"))  # MR,RX->MX
     self.balancing_biases = BalancingBias(
         jnp.zeros((x,), jnp.float32).at[-1].set(-1.0), out_sharding=("classes",), eager_sharding=False)
 
