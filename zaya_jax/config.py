@@ -38,6 +38,7 @@ class TrainConfig:
   num_steps: int = 100_000  # optimizer steps in the whole run (schedule length)
   max_steps_per_run: int = 0  # leave after this many steps in one process; 0 = no limit
   batch_size: int = 256  # sequences per step, global
+  grad_accum_steps: int = 1  # micro-batches per step (gradients summed); batch_size must divide
   seq_len: int = 4096  # tokens per sequence
   lr: float = 3e-4  # peak learning rate
   warmup_steps: int = 2_000  # linear warmup steps
@@ -66,8 +67,12 @@ class TrainConfig:
   inject_nan_at_steps: tuple[int, ...] = ()  # TEST ONLY: make these updates' loss and grads NaN
 
   def __post_init__(self):
-    for f in ("num_steps", "batch_size", "seq_len", "log_every"):
+    for f in ("num_steps", "batch_size", "grad_accum_steps", "seq_len", "log_every"):
       _positive_int(self, "train", f)
+    if self.batch_size % self.grad_accum_steps:
+      raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by "
+                        f"train.grad_accum_steps={self.grad_accum_steps}; each micro-batch holds "
+                        "batch_size / grad_accum_steps sequences")
     for f in ("seed", "max_steps_per_run", "warmup_steps", "eval_every", "eval_batches",
               "max_consecutive_skips"):
       _nonnegative_int(self, "train", f)

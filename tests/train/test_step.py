@@ -146,3 +146,46 @@ def test_non_finite_update_is_skipped_and_counted(setup):
   # The clean update after the skips sees s1's parameters (nothing of the NaN leaked in).
   _, m_direct = step(s1, batch, np.bool_(False))
   assert float(m4["loss"]) == float(m_direct["loss"])
+
+
+@pytest.mark.parametrize("accum", [2, 4])
+def test_grad_accumulation_equals_one_pass(setup, accum):
+  """Accumulating over micro-batches gives the whole batch's update: the same loss, gradient
+  norm, new parameters, Adam moments, routing counts and controller-moved biases. The batch
+  mixes padding and documents of different lengths, so the mean over masked tokens must be
+  taken over the whole batch, not averaged per micro-batch, and a z-loss is on."""
+  from zaya_jax.config import BalanceConfig
+  from zaya_jax.train.balance import get_biases
+  model_cfg, graphdef, state, _ = setup
+  train_cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-2, batch_size=4, seq_len=12)
+  graphdef, params_shape, _ = abstract_model(model_cfg, seed=0)
+  tx = make_optimizer(train_cfg, params_shape)
+  bal = BalanceConfig(kp=0.05, router_z_loss=1e-2)
+  rng = np.random.default_rng(3)
+  batch = {k: np.concatenate([a, b]) for (k, a), b in
+           zip(random_batch(rng).items(), random_batch(rng).values())}
+  batch["loss_mask"][2, :9] = 0.0  # micro-batches hold different numbers of masked tokens
+
+  def run(n):
+    s = init_train_state(model_cfg, tx, seed=0)
+    step = jax.jit(lambda s, b: train_step(graphdef, tx, make_schedule(train_cfg), s, b,
+                                           balance=bal, grad_accum_steps=n))
+    return step(s, batch)
+
+  ref_state, ref = run(1)
+  new_state, got = run(accum)
+  for key in ("loss", "grad_norm", "router/z_loss", "tokens"):
+    np.testing.assert_allclose(got[key], ref[key], rtol=2e-6, err_msg=key)
+  np.testing.assert_array_equal(got["expert_load"], ref["expert_load"])
+  np.testing.assert_allclose(get_biases(new_state.model_state), get_biases(ref_state.model_state),
+                             atol=1e-7)
+  assert float(jnp.max(jnp.abs(get_biases(ref_state.model_state)[:, :-1]))) > 1e-3  # it moved
+  for a, b in zip(jax.tree.leaves((new_state.params, new_state.opt_state)),
+                  jax.tree.leaves((ref_state.params, ref_state.opt_state))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_accumulation_steps_must_divide_batch():
+  from zaya_jax.config import ConfigError
+  with pytest.raises(ConfigError, match="grad_accum_steps"):
+    TrainConfig(batch_size=6, grad_accum_steps=4)

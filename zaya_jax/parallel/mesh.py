@@ -99,7 +99,8 @@ def use_mesh(mesh: Mesh):
     yield mesh
 
 
-def check_divisibility(mesh: Mesh, *, num_experts: int, hidden_size: int, batch_size: int) -> None:
+def check_divisibility(mesh: Mesh, *, num_experts: int, hidden_size: int, batch_size: int,
+                       grad_accum_steps: int = 1) -> None:
   """Fails at start if the mesh does not divide the model or the batch.
 
   Raises:
@@ -117,6 +118,11 @@ def check_divisibility(mesh: Mesh, *, num_experts: int, hidden_size: int, batch_
   if batch_size % n:
     raise ValueError(f"train.batch_size={batch_size} is not divisible by the {n} batch shards "
                      f"(mesh data*fsdp*expert = {s[DATA]}*{s[FSDP]}*{s[EXPERT]}); use a multiple of {n}")
+  micro = batch_size // grad_accum_steps
+  if micro % n:
+    raise ValueError(f"train.batch_size={batch_size} / train.grad_accum_steps={grad_accum_steps} = "
+                     f"{micro} sequences per micro-batch is not divisible by the {n} batch shards; "
+                     f"use a micro-batch that is a multiple of {n} (fewer accumulation steps)")
 
 
 def logical_to_spec(names) -> P:

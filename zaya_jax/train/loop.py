@@ -104,7 +104,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   try:
     mesh = make_mesh(cfg.mesh)
     check_divisibility(mesh, num_experts=cfg.model.num_experts, hidden_size=cfg.model.hidden_size,
-                       batch_size=train.batch_size)
+                       batch_size=train.batch_size, grad_accum_steps=train.grad_accum_steps)
   except ValueError as e:
     raise ConfigError(str(e)) from e
   with use_mesh(mesh):
@@ -165,7 +165,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
 
   train_step = make_train_step(graphdef, tx, schedule, state_sharding, data_sharding,
                                fault_injection=bool(train.inject_nan_at_steps),
-                               balance=cfg.balance)
+                               balance=cfg.balance, grad_accum_steps=train.grad_accum_steps)
   poisoned: set[int] = set()  # injected steps: once each per process, so a rollback moves past them
   eval_step = make_eval_step(graphdef, state_sharding, data_sharding)
   metrics_out = MetricsWriter(metrics_path, enabled=is_main, resume_step=latest)  # drops records > latest

@@ -60,10 +60,90 @@ def expert_load(counts_LX: jax.Array) -> jax.Array:
   return counts_LX / jnp.maximum(jnp.sum(counts_LX, axis=-1, keepdims=True), 1.0)
 
 
+def _objective(graphdef, params, model_state, batch: Batch, cfg: BalanceConfig | None,
+               total_tokens: jax.Array, weight: jax.Array | float):
+  """One micro-batch's share of the objective, and its parts.
+
+  objective = loss_sum / total_tokens + weight * (z_loss coef * z + balance coef * lb), with
+  `weight` the micro-batch's share of the batch's non-padding tokens (over which the router
+  losses are means), so the shares of all micro-batches sum to the whole batch's objective:
+  the mean next-token loss over its masked tokens plus its router losses (exactly for the
+  z-loss; the switch balance loss, a product of two means, is taken per micro-batch, as
+  Megatron-LM does). Returns `(objective, (loss_sum, aux, router))`.
+  """
+  loss_sum, _, aux = _forward(graphdef, params, model_state, batch)
+  router = balance_lib.aux_losses(aux, aux["expert_counts"].shape[-1] - 1)
+  objective = loss_sum / total_tokens
+  if cfg is not None and cfg.router_z_loss:
+    objective = objective + weight * cfg.router_z_loss * router["z_loss"]
+  if cfg is not None and cfg.load_balance_loss:
+    objective = objective + weight * cfg.load_balance_loss * router["load_balance"]
+  return objective, (loss_sum, aux, router)
+
+
+def micro_batches(batch: Batch, num_micro: int) -> Batch:
+  """`[B, ...]` leaves -> `[num_micro, B / num_micro, ...]`; micro-batch j holds rows
+  j, j + num_micro, j + 2 num_micro, ... so that, with the batch sharded over devices in
+  contiguous blocks of rows, every micro-batch is spread evenly over the same devices.
+
+  Raises:
+    ValueError: if B is not divisible by `num_micro`.
+  """
+  def split(x):
+    if x.shape[0] % num_micro:
+      raise ValueError(f"batch of {x.shape[0]} sequences is not divisible by "
+                       f"train.grad_accum_steps={num_micro}")
+    return jnp.swapaxes(x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceConfig | None,
+                    num_micro: int, batch_sharding):
+  """Objective, mean loss, masked tokens, aux and router losses of the whole batch, and the
+  objective's gradient w.r.t. `params`, accumulated over `num_micro` micro-batches (a
+  `lax.scan`; 1 = the whole batch in one pass).
+
+  Aux of several micro-batches: `expert_counts` and `dropped_tokens` summed (so the
+  balancing controller sees the whole batch's counts); `router_entropy` and the router
+  losses, means over non-padding tokens, averaged with each micro-batch's share of them.
+  """
+  tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+  total = jnp.maximum(tokens, 1.0)
+  grad_fn = jax.value_and_grad(_objective, argnums=1, has_aux=True)
+  if num_micro == 1:
+    (objective, (loss_sum, aux, router)), grads = grad_fn(
+        graphdef, params, model_state, batch, cfg, total, 1.0)
+    return (objective, loss_sum / total, tokens, aux, router), grads
+
+  non_padding = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1).astype(jnp.float32)
+
+  def micro_parts(micro):
+    if batch_sharding is not None:
+      micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
+    weight = jnp.sum(micro["segment_ids"] > 0).astype(jnp.float32) / non_padding
+    (objective, (loss_sum, aux, router)), grads = grad_fn(
+        graphdef, params, model_state, micro, cfg, total, weight)
+    parts = {"objective": objective, "loss_sum": loss_sum,
+             "expert_counts": aux["expert_counts"], "dropped_tokens": aux["dropped_tokens"],
+             "router_entropy": aux["router_entropy"] * weight,
+             **{k: v * weight for k, v in router.items()}}
+    return parts, grads
+
+  micros = micro_batches(batch, num_micro)
+  shapes = jax.eval_shape(micro_parts, jax.tree.map(lambda x: x[0], micros))
+  init = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  (parts, grads), _ = jax.lax.scan(
+      lambda carry, micro: (jax.tree.map(jnp.add, carry, micro_parts(micro)), None), init, micros)
+  router = {k: parts[k] for k in ("z_loss", "load_balance")}
+  aux = {k: parts[k] for k in ("expert_counts", "dropped_tokens", "router_entropy")}
+  return (parts["objective"], parts["loss_sum"] / total, tokens, aux, router), grads
+
+
 def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                schedule: optax.Schedule, state: TrainState, batch: Batch,
                poison: jax.Array | None = None,
-               balance: BalanceConfig | None = None) -> tuple[TrainState, Metrics]:
+               balance: BalanceConfig | None = None, grad_accum_steps: int = 1,
+               batch_sharding=None) -> tuple[TrainState, Metrics]:
   """One optimizer update on the mean next-token loss; gradients w.r.t. `state.params` only.
 
   An update whose loss or gradient norm is not finite is skipped: parameters, optimizer
@@ -79,6 +159,11 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       next step; its coefficients add the router z-loss / balance loss to the objective.
       None (the default, for callers that predate it) = controller off, no auxiliary losses:
       `model_state` stays untouched.
+    grad_accum_steps: micro-batches the batch is split into (`micro_batches`); their
+      gradients are summed before the one update, so the update equals the whole batch's up
+      to float summation order, with activation memory for one micro-batch. The controller
+      sees the summed routing counts of all micro-batches.
+    batch_sharding: the batch's sharding, applied to each micro-batch (None = unconstrained).
 
   Returns:
     The new state (step + 1) and metrics: float32 [] `loss` (mean next-token cross-entropy
@@ -93,20 +178,8 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     `router/entropy_mean` (float32 []).
   """
   cfg = balance
-
-  def loss_fn(params):
-    loss_sum, tokens, aux = _forward(graphdef, params, state.model_state, batch)
-    loss = loss_sum / jnp.maximum(tokens, 1.0)
-    router = balance_lib.aux_losses(aux, aux["expert_counts"].shape[-1] - 1)
-    objective = loss
-    if cfg is not None and cfg.router_z_loss:
-      objective = objective + cfg.router_z_loss * router["z_loss"]
-    if cfg is not None and cfg.load_balance_loss:
-      objective = objective + cfg.load_balance_loss * router["load_balance"]
-    return objective, (loss, tokens, aux, router)
-
-  (objective, (loss, tokens, aux, router)), grads = jax.value_and_grad(
-      loss_fn, has_aux=True)(state.params)
+  (objective, loss, tokens, aux, router), grads = _loss_and_grads(
+      graphdef, state.params, state.model_state, batch, cfg, grad_accum_steps, batch_sharding)
   if poison is not None:
     loss = jnp.where(poison, jnp.nan, loss)
     objective = jnp.where(poison, jnp.nan, objective)
@@ -167,12 +240,14 @@ def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> Metric
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, state_shardings=None, batch_sharding=None,
                     fault_injection: bool = False,
-                    balance: BalanceConfig | None = None) -> Callable[..., tuple[TrainState, Metrics]]:
+                    balance: BalanceConfig | None = None,
+                    grad_accum_steps: int = 1) -> Callable[..., tuple[TrainState, Metrics]]:
   """`train_step` with the static parts bound, jitted; the input state's buffers are donated.
 
   With `fault_injection` the step takes a third argument, `poison` (bool []; see
   `train_step`), for the loop's test-only `train.inject_nan_at_steps`. `balance`: the
-  balancing-bias controller config (see `train_step`; None = off).
+  balancing-bias controller config (see `train_step`; None = off). `grad_accum_steps`:
+  micro-batches per update (see `train_step`).
 
   With `state_shardings` (a TrainState of NamedShardings) and `batch_sharding`, the step keeps
   the state in its sharding and metrics replicated; call it inside `jax.set_mesh(mesh)`.
@@ -183,10 +258,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   if fault_injection:
     if kw:
       kw["in_shardings"] = (*kw["in_shardings"], None)
-    return jax.jit(lambda state, batch, poison: train_step(graphdef, tx, schedule, state, batch,
-                                                           poison, balance), donate_argnums=0, **kw)
-  return jax.jit(lambda state, batch: train_step(graphdef, tx, schedule, state, batch,
-                                                 balance=balance), donate_argnums=0, **kw)
+    return jax.jit(lambda state, batch, poison: train_step(
+        graphdef, tx, schedule, state, batch, poison, balance, grad_accum_steps, batch_sharding),
+                   donate_argnums=0, **kw)
+  return jax.jit(lambda state, batch: train_step(
+      graphdef, tx, schedule, state, batch, None, balance, grad_accum_steps, batch_sharding),
+                 donate_argnums=0, **kw)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, state_shardings=None,
