@@ -1,0 +1,59 @@
+"""Time the jitted training step of a config: tokens/s, step time, FLOP/s, MFU, peak memory.
+
+  python -m launch.benchmark --config=configs/bench_cpu.py
+  python -m launch.benchmark --config=configs/bench_cpu.py --steps=10 --warmup=2 \
+      --compare_transformers --out=/tmp/bench.json
+
+Batches are synthetic token ids (no data or tokenizer is read); batch and sequence length
+default to the config's train.batch_size and train.seq_len (override with
+--config.train.batch_size=...). On CPU the MFU divides by a float32 matmul timed in the same
+run; on a GPU by the detected profile's peak. `--compare_transformers` also times
+transformers' ZayaForCausalLM forward + backward + AdamW on the same config and batch, with
+torch.set_num_threads equal to the cores XLA:CPU uses, and prints the tokens/s ratio. All
+logic lives in `zaya_jax.perf.benchmark`.
+"""
+
+import json
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from zaya_jax.config import ConfigError
+from zaya_jax.perf import benchmark
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file, e.g. configs/bench_cpu.py.", lock_config=True)
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed training steps (>= 1).", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (>= 1; the first compiles).",
+                               lower_bound=1)
+_COMPARE = flags.DEFINE_bool("compare_transformers", False,
+                             "Also time transformers' ZayaForCausalLM and print the ratio.")
+_MATMUL = flags.DEFINE_integer("matmul_size", 2048, "n of the CPU peak matmul [n,n]@[n,n].",
+                               lower_bound=1)
+_OUT = flags.DEFINE_string("out", None, "Write the figures to this JSON file.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    cfgs = benchmark.bench_configs(_CONFIG.value)
+  except ConfigError as e:
+    sys.exit(f"invalid config: {e}")
+  try:
+    result = benchmark.run(cfgs, steps=_STEPS.value, warmup=_WARMUP.value,
+                           compare=_COMPARE.value, matmul_size=_MATMUL.value,
+                           log=lambda line: print(line, flush=True))
+  except ValueError as e:
+    sys.exit(f"invalid arguments: {e}")
+  print(benchmark.format_report(result), flush=True)
+  if _OUT.value:
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,303 @@
+# Shape letters: B T V (see zaya_jax/__init__.py).
+"""Training-step benchmark: tokens/s, step time, achieved FLOP/s, MFU and peak memory.
+
+`benchmark(config, ...)` builds the jitted training step exactly as `zaya_jax.train.loop`
+does (`abstract_model` -> `make_optimizer` / `make_schedule` -> `train_state_shardings` ->
+`make_train_step(..., balance=...)`, state from `init_train_state`), feeds it one synthetic
+batch (`zaya_jax.parallel.mesh_sweep.synthetic_batch`: random token ids, one document per
+row), runs `warmup` steps (the first compiles) and times `steps` more, each waited for.
+
+Figures (one dict, `BenchResult`):
+- `step_s`: median wall seconds per step; `tokens_per_s` = B x T / step_s.
+- `flops_per_token`: training FLOPs per token (fwd + bwd) from
+  `zaya_jax.perf.sizing.train_flops_per_token` (the sizing command's count: matmuls,
+  attention with causal halving, CCA convs, active experts only); `achieved_flops` =
+  flops_per_token x tokens_per_s, FLOP/s.
+- `peak_flops`: FLOP/s the MFU divides by. On CPU it is *measured* in the same run: the median
+  time of a large float32 `[n, n] @ [n, n]` matmul (`measure_matmul_peak`), so it
+  describes this host's cores under the load they carry right now. On a GPU it is the
+  detected accelerator profile's dense peak for the model dtype
+  (`zaya_jax.perf.accelerators`). `mfu` = achieved_flops / peak_flops.
+- `peak_memory_bytes`: on an accelerator the device's `peak_bytes_in_use`; on CPU the
+  process's peak resident set size (`resource.getrusage`, read before the transformers run).
+
+`compare_transformers(...)` times `transformers`' `ZayaForCausalLM` (random init from
+`ModelConfig.to_hf_dict()`, no download) on the same config and batch: forward with labels
+(its shifted cross-entropy), backward, `torch.optim.AdamW` step, `zero_grad`. Torch gets as
+many intra-op threads as JAX's CPU client uses: XLA:CPU sizes its thread pool to the cores
+this process may run on (`os.sched_getaffinity`), so `torch.set_num_threads` gets that count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from zaya_jax.config import BalanceConfig, ConfigError, TrainConfig
+from zaya_jax.model.config import ModelConfig
+from zaya_jax.parallel.mesh import (MeshConfig, batch_sharding, check_divisibility, make_mesh,
+                                    use_mesh)
+from zaya_jax.parallel.mesh_sweep import sweep_configs, synthetic_batch
+from zaya_jax.perf import accelerators, timing
+from zaya_jax.perf.sizing import train_flops_per_token
+from zaya_jax.train.optim import make_optimizer, make_schedule
+from zaya_jax.train.state import (abstract_model, abstract_train_state, init_train_state,
+                                  train_state_shardings)
+from zaya_jax.train.step import make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfigs:
+  """The validated groups the benchmark uses (data and checkpoint are never read)."""
+
+  model: ModelConfig
+  train: TrainConfig
+  mesh: MeshConfig
+  balance: BalanceConfig
+
+
+def bench_configs(config: ml_collections.ConfigDict) -> BenchConfigs:
+  """Validates the `model`, `train`, `mesh` and `balance` groups of `config`.
+
+  Batches are synthetic, so the data group and the tokenizer are not consulted (as in
+  `mesh_sweep.sweep_configs`).
+
+  Raises:
+    ConfigError: naming the field, for an invalid value.
+  """
+  model, train = sweep_configs(config)
+  try:
+    mesh = MeshConfig(**dict(config.mesh))
+    balance = BalanceConfig(**dict(config.balance)) if "balance" in config else BalanceConfig()
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e)) from e
+  return BenchConfigs(model, train, mesh, balance)
+
+
+def cpu_threads() -> int:
+  """Cores XLA:CPU's thread pool uses: those this process may run on."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def measure_matmul_peak(size: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+  """FLOP/s of a jitted `[size, size] @ [size, size]` matmul (2 size^3 FLOPs), median time.
+
+  Raises:
+    ValueError: if `size` < 1 or `repeats` < 1.
+  """
+  if size < 1:
+    raise ValueError(f"matmul size must be >= 1, got {size}")
+  a = jax.random.normal(jax.random.key(0), (size, size), dtype)
+  b = jax.random.normal(jax.random.key(1), (size, size), dtype)
+  seconds = timing.median_seconds(jax.jit(jnp.matmul), (a, b), repeats)
+  return 2.0 * size**3 / seconds
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+  """`(bytes, source)`: the first device's peak bytes in use, or on CPU the process's peak
+  resident set size (ru_maxrss: KiB on Linux, bytes on macOS)."""
+  device = jax.devices()[0]
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use"
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
+
+
+def build_train_step(cfgs: BenchConfigs, mesh: jax.sharding.Mesh):
+  """`(train_step, state)`: the jitted step of `zaya_jax.train.loop` and a fresh TrainState.
+
+  Must run inside `use_mesh(mesh)`. The step donates its state argument.
+  """
+  graphdef, params_shape, _ = abstract_model(cfgs.model, cfgs.train.seed)
+  tx = make_optimizer(cfgs.train, params_shape)
+  state_sharding = train_state_shardings(
+      abstract_train_state(cfgs.model, tx, cfgs.train.seed), mesh)
+  step = make_train_step(graphdef, tx, make_schedule(cfgs.train), state_sharding,
+                         batch_sharding(mesh), balance=cfgs.balance)
+  return step, init_train_state(cfgs.model, tx, cfgs.train.seed, mesh)
+
+
+def time_steps(step: Callable, state: Any, batch: Any, steps: int, warmup: int) -> list[float]:
+  """Wall seconds of each of `steps` calls `state, _ = step(state, batch)` after `warmup`
+  untimed ones; every call is waited for (`jax.block_until_ready`)."""
+  times = []
+  for i in range(warmup + steps):
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready((state, metrics))
+    if i >= warmup:
+      times.append(time.perf_counter() - start)
+  return times
+
+
+def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, warmup: int,
+              matmul_size: int = 2048, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Times the training step of `cfgs` and derives throughput, MFU and memory.
+
+  Args:
+    cfgs: from `bench_configs`.
+    batch_size: B, sequences per step (global).
+    seq_len: T, tokens per sequence.
+    steps: timed steps (>= 1).
+    warmup: untimed steps before them (>= 1: the first call compiles).
+    matmul_size: n of the CPU peak matmul `[n, n] @ [n, n]`.
+    log: progress lines.
+
+  Returns:
+    A flat dict: `host`, `backend`, `devices`, `threads`, `batch_size`, `seq_len`,
+    `tokens_per_step`, `steps`, `warmup`, `compile_s` (first step, seconds, compile included),
+    `step_s` (median, seconds), `step_s_min`, `step_s_max`, `tokens_per_s`, `flops_per_token`
+    (FLOP), `achieved_flops` (FLOP/s), `peak_flops` (FLOP/s), `peak_source`, `mfu` (fraction),
+    `peak_memory_bytes` (bytes), `memory_source`, `loss` (float32 loss of the last step).
+
+  Raises:
+    ValueError: for `steps` < 1 or `warmup` < 1, or a mesh that does not divide the config.
+  """
+  if steps < 1 or warmup < 1:
+    raise ValueError(f"steps={steps} and warmup={warmup} must both be >= 1")
+  mesh = make_mesh(cfgs.mesh)
+  check_divisibility(mesh, num_experts=cfgs.model.num_experts,
+                     hidden_size=cfgs.model.hidden_size, batch_size=batch_size)
+  with use_mesh(mesh):
+    step, state = build_train_step(cfgs, mesh)
+    batch = synthetic_batch(cfgs.model, batch_size, seq_len, mesh)
+    log(f"compiling and warming up ({warmup} step(s)) ...")
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - start
+    times = time_steps(step, state, batch, steps, warmup - 1)
+    state = None  # donated above; free nothing else
+  step_s = statistics.median(times)
+  tokens = batch_size * seq_len
+  flops_per_token = float(train_flops_per_token(cfgs.model, seq_len))
+  result: dict[str, Any] = {
+      "host": timing.host_description(), "backend": jax.default_backend(),
+      "devices": mesh.size, "threads": cpu_threads(), "batch_size": batch_size,
+      "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps, "warmup": warmup,
+      "compile_s": compile_s, "step_s": step_s, "step_s_min": min(times),
+      "step_s_max": max(times), "tokens_per_s": tokens / step_s,
+      "flops_per_token": flops_per_token,
+      "achieved_flops": flops_per_token * tokens / step_s}
+  result["peak_memory_bytes"], result["memory_source"] = peak_memory_bytes()
+  profile = accelerators.detect_profile()
+  if jax.default_backend() == "cpu" or profile is None:
+    log(f"measuring the float32 matmul peak ({matmul_size}^3) ...")
+    result["peak_flops"] = measure_matmul_peak(matmul_size)
+    result["peak_source"] = f"measured float32 matmul {matmul_size}x{matmul_size}x{matmul_size}"
+  else:
+    result["peak_flops"] = profile.peak_flops(cfgs.model.dtype)
+    result["peak_source"] = f"{profile.name} {cfgs.model.dtype} dense peak (profile)"
+  result["mfu"] = result["achieved_flops"] / result["peak_flops"]
+  result["loss"] = float(metrics["loss"])
+  return result
+
+
+def compare_transformers(model_cfg: ModelConfig, *, batch_size: int, seq_len: int, steps: int,
+                         warmup: int, threads: int, seed: int = 0,
+                         log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Times `transformers.ZayaForCausalLM` forward + backward + AdamW on the same shapes.
+
+  The model is built from `model_cfg.to_hf_dict()` with random init (float32; the dtype of
+  `model_cfg` is ignored: transformers runs in float32 on CPU); the batch has the same
+  shape and value range as `synthetic_batch`. Each step: `model(input_ids, labels=...)`,
+  `loss.backward()`, `AdamW.step()`, `zero_grad(set_to_none=True)`.
+
+  Args:
+    threads: torch intra-op threads (`torch.set_num_threads`), set to JAX's CPU cores.
+
+  Returns:
+    `{"hf_threads", "hf_step_s" (median seconds), "hf_step_s_min", "hf_step_s_max",
+    "hf_tokens_per_s"}`.
+
+  Raises:
+    ValueError: for `steps` < 1 or `warmup` < 0.
+  """
+  if steps < 1 or warmup < 0:
+    raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
+  import torch  # pylint: disable=import-outside-toplevel  (optional dependency)
+  from transformers import ZayaConfig, ZayaForCausalLM  # pylint: disable=import-outside-toplevel
+
+  torch.set_num_threads(threads)
+  torch.manual_seed(seed)
+  hf = ZayaConfig(**{k: v for k, v in model_cfg.to_hf_dict().items()
+                     if k not in ("model_type", "architectures")})
+  model = ZayaForCausalLM(hf).float().train()
+  opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+  g = torch.Generator().manual_seed(seed)
+  ids = torch.randint(3, model_cfg.vocab_size, (batch_size, seq_len), generator=g)
+  log(f"transformers reference: {warmup} warm-up + {steps} timed steps, {threads} threads ...")
+  times = []
+  for i in range(warmup + steps):
+    start = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if i >= warmup:
+      times.append(time.perf_counter() - start)
+  step_s = statistics.median(times)
+  return {"hf_threads": threads, "hf_step_s": step_s, "hf_step_s_min": min(times),
+          "hf_step_s_max": max(times), "hf_tokens_per_s": batch_size * seq_len / step_s}
+
+
+def run(cfgs: BenchConfigs, *, steps: int, warmup: int, compare: bool = False,
+        matmul_size: int = 2048, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """`benchmark` at the config's batch (train.batch_size x train.seq_len) and, with `compare`,
+  `compare_transformers` in the same process, adding `hf_*` figures, `hf_mfu` (the
+  reference's MFU by the same FLOP count and peak) and `ratio` (our tokens/s over the
+  reference's).
+
+  Raises:
+    ValueError: as `benchmark`.
+  """
+  batch, seq = cfgs.train.batch_size, cfgs.train.seq_len
+  result = benchmark(cfgs, batch_size=batch, seq_len=seq, steps=steps, warmup=warmup,
+                     matmul_size=matmul_size, log=log)
+  if compare:
+    result.update(compare_transformers(cfgs.model, batch_size=batch, seq_len=seq, steps=steps,
+                                       warmup=warmup, threads=result["threads"],
+                                       seed=cfgs.train.seed, log=log))
+    result["hf_mfu"] = result["flops_per_token"] * result["hf_tokens_per_s"] / result["peak_flops"]
+    result["ratio"] = result["tokens_per_s"] / result["hf_tokens_per_s"]
+  return result
+
+
+def format_report(r: dict[str, Any]) -> str:
+  """The result as aligned `name: value unit` lines."""
+  lines = [
+      f"host: {r['host']}",
+      f"batch: {r['batch_size']} x {r['seq_len']} = {r['tokens_per_step']} tokens/step, "
+      f"{r['steps']} timed steps after {r['warmup']} warm-up",
+      f"compile + first step: {r['compile_s']:.1f} s",
+      f"step time (median): {r['step_s'] * 1e3:.1f} ms (min {r['step_s_min'] * 1e3:.1f}, "
+      f"max {r['step_s_max'] * 1e3:.1f})",
+      f"tokens/s: {r['tokens_per_s']:.1f}",
+      f"training FLOPs/token: {r['flops_per_token'] / 1e6:.2f} MFLOP (sizing count, fwd+bwd)",
+      f"achieved: {r['achieved_flops'] / 1e9:.2f} GFLOP/s",
+      f"peak: {r['peak_flops'] / 1e9:.2f} GFLOP/s ({r['peak_source']})",
+      f"MFU: {100 * r['mfu']:.1f}%",
+      f"peak memory: {r['peak_memory_bytes'] / 2**20:.1f} MiB ({r['memory_source']})",
+  ]
+  if "hf_tokens_per_s" in r:
+    lines += [
+        f"transformers step time (median): {r['hf_step_s'] * 1e3:.1f} ms "
+        f"({r['hf_threads']} torch threads)",
+        f"transformers tokens/s: {r['hf_tokens_per_s']:.1f}",
+        f"transformers MFU: {100 * r['hf_mfu']:.1f}%",
+        f"speed-up vs transformers: {r['ratio']:.2f}x",
+    ]
+  return "\n".join(lines)
