@@ -23,7 +23,7 @@ import jax
 from absl import app, flags
 
 from zaya_jax import distributed
-from zaya_jax.parallel import mesh_sweep
+from zaya_jax.parallel.mesh import parse_meshes, use_cpu_devices
 from zaya_jax.perf import collectives, timing
 
 _OUT = flags.DEFINE_string("out", None, "Output folder for collectives.csv and collectives.png.")
@@ -53,7 +53,7 @@ def groups():
     if _NUM_DEVICES.value:
       raise ValueError("--num_devices and --meshes exclude each other; pass one of them")
     return [collectives.mesh_group(cfg, tuple(_AXES.value))
-            for cfg in mesh_sweep.parse_meshes(_MESHES.value)]
+            for cfg in parse_meshes(_MESHES.value)]
   if _NUM_DEVICES.value:
     bad = [v for v in _NUM_DEVICES.value if not v.strip().isdigit() or int(v) < 2]
     if bad:
@@ -82,7 +82,7 @@ def main(argv):
   try:  # Before any JAX computation: the backend must not exist yet.
     collectives.validate(_COLLECTIVES.value, _MIN_BYTES.value, _MAX_BYTES.value, _REPEATS.value,
                          _WARMUP.value, _DTYPE.value)
-    mesh_sweep.use_cpu_devices(_NUM_CPU.value)
+    use_cpu_devices(_NUM_CPU.value)
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     bench_groups = groups()
     collectives.check_min_bytes(bench_groups, _MIN_BYTES.value, _DTYPE.value)

@@ -22,6 +22,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from zaya_jax.config import build_group
+from zaya_jax.model.config import ModelConfig
 from zaya_jax.perf import accelerators, gemm
 from zaya_jax.perf.timing import host_description
 
@@ -77,7 +79,7 @@ def main(argv):
     grid = gemm.powers_of_two(_MIN.value, _MAX.value)
     shapes = gemm.sweep_shapes(_SWEEPS.value, sizes, grid, _BASE.value)
     if _CONFIG.value is not None:
-      shapes += gemm.model_shapes(gemm.model_config(_CONFIG.value), _TOKENS.value, _EP.value)
+      shapes += gemm.model_shapes(build_group(ModelConfig, _CONFIG.value, "model"), _TOKENS.value, _EP.value)
   except ValueError as e:
     sys.exit(f"invalid arguments: {e}")
   profile = (accelerators.get_profile(_PROFILE.value) if _PROFILE.value

@@ -22,8 +22,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from zaya_jax.config import ConfigError
+from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.parallel import mesh_sweep
+from zaya_jax.parallel.mesh import parse_meshes, use_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
@@ -44,10 +45,10 @@ flags.mark_flags_as_required(["config", "out"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  mesh_sweep.use_cpu_devices(_NUM_CPU.value)
+  use_cpu_devices(_NUM_CPU.value)
   try:
-    model_cfg, train_cfg = mesh_sweep.sweep_configs(_CONFIG.value)
-    meshes = mesh_sweep.parse_meshes(_MESHES.value)
+    model_cfg, train_cfg, _, balance = synthetic_configs(_CONFIG.value)
+    meshes = parse_meshes(_MESHES.value)
   except (ConfigError, ValueError) as e:
     sys.exit(f"invalid arguments: {e}")
   batch = _BATCH.value or train_cfg.batch_size
@@ -56,7 +57,7 @@ def main(argv):
   print(note, flush=True)
   rows = mesh_sweep.run_sweep(model_cfg, train_cfg, meshes, _DISPATCHES.value or [None],
                               batch_size=batch, seq_len=seq,
-                              steps=0 if _COMPILE_ONLY.value else _STEPS.value)
+                              steps=0 if _COMPILE_ONLY.value else _STEPS.value, balance=balance)
   os.makedirs(_OUT.value, exist_ok=True)
   mesh_sweep.write_csv(rows, os.path.join(_OUT.value, "mesh_sweep.csv"))
   mesh_sweep.plot(rows, os.path.join(_OUT.value, "mesh_sweep.png"),

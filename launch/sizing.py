@@ -21,12 +21,11 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from zaya_jax.config import ConfigError
-from zaya_jax.parallel import mesh_sweep
+from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.parallel.mesh import MeshConfig
 from zaya_jax.perf import roofline
-from zaya_jax.perf.gemm import GemmTable
 from zaya_jax.perf.accelerators import get_profile
+from zaya_jax.perf.gemm import GemmTable
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_base.py.", lock_config=True)
@@ -57,7 +56,7 @@ def main(argv):
     for name, flag in (("num_devices", _NUM_DEVICES), ("batch_size", _BATCH), ("seq_len", _SEQ),
                        ("decode_batch", _DECODE_BATCH)):
       _positive(name, flag.value)
-    model_cfg, train_cfg = mesh_sweep.sweep_configs(_CONFIG.value)
+    model_cfg, train_cfg, _, _ = synthetic_configs(_CONFIG.value)
     profile = get_profile(_PROFILE.value)
     mesh = None
     if _MESH.value:

@@ -218,12 +218,9 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
   unknown = sorted(set(config.keys()) - set(GROUPS))
   if unknown:
     raise ConfigError(f"unknown config group(s) {unknown}; known groups are {list(GROUPS)}")
-  model = _build(ModelConfig, config, "model")
-  data = _build(DataConfig, config, "data")
-  train = _build(TrainConfig, config, "train")
-  checkpoint = _build(CheckpointConfig, config, "checkpoint")
-  mesh = _build(MeshConfig, config, "mesh")
-  balance = _build(BalanceConfig, config, "balance") if "balance" in config else BalanceConfig()
+  model, train, mesh, balance = synthetic_configs(config)
+  data = build_group(DataConfig, config, "data")
+  checkpoint = build_group(CheckpointConfig, config, "checkpoint")
 
   if train.batch_size % process_count:
     raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by the "
@@ -249,7 +246,7 @@ def config_differences(saved: dict[str, Any], current: RunConfig, group: str,
           if k in before and k not in ignore and before[k] != now[k]]
 
 
-def _build(cls, config: ml_collections.ConfigDict, group: str):
+def build_group(cls, config: ml_collections.ConfigDict, group: str):
   """`cls(**config[group])`, with unknown fields and constructor errors named `group.field`."""
   if group not in config:
     raise ConfigError(f"config has no {group!r} group; start from configs/base.py")
@@ -269,6 +266,21 @@ def _build(cls, config: ml_collections.ConfigDict, group: str):
   except (ValueError, TypeError) as e:
     msg = str(e)
     raise ConfigError(msg if msg.startswith(f"{group}.") else f"{group}: {msg}") from e
+
+
+def synthetic_configs(config: ml_collections.ConfigDict
+                      ) -> tuple[ModelConfig, TrainConfig, MeshConfig, BalanceConfig]:
+  """The `model`, `train`, `mesh` and `balance` groups of `config`, validated as `resolve`
+  does, for tools that feed synthetic tokens (launch.mesh_sweep, launch.sizing,
+  launch.benchmark): the `data` group and the tokenizer check are not consulted, so a config
+  whose tokenizer is not on this machine (configs/zaya1_base.py) still works.
+
+  Raises:
+    ConfigError: naming the field, for an invalid or unknown value.
+  """
+  balance = build_group(BalanceConfig, config, "balance") if "balance" in config else BalanceConfig()
+  return (build_group(ModelConfig, config, "model"), build_group(TrainConfig, config, "train"),
+          build_group(MeshConfig, config, "mesh"), balance)
 
 
 def _check_tokenizer(model: ModelConfig, data: DataConfig) -> None:

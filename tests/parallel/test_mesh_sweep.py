@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from zaya_jax.parallel import mesh_sweep
+from zaya_jax.parallel.mesh import parse_meshes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,10 +98,10 @@ def test_analytic_all_to_all_bytes():
 
 
 def test_parse_meshes():
-  assert [(m.data, m.fsdp, m.expert) for m in mesh_sweep.parse_meshes("1,1,8; 2,1,4")] == [
+  assert [(m.data, m.fsdp, m.expert) for m in parse_meshes("1,1,8; 2,1,4")] == [
       (1, 1, 8), (2, 1, 4)]
   with pytest.raises(ValueError, match="three integers"):
-    mesh_sweep.parse_meshes("1,8")
+    parse_meshes("1,8")
 
 
 def _sweep_cmd(out, meshes, dispatch, *extra):

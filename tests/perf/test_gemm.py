@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from configs import zaya1_tiny
+from zaya_jax.config import build_group
+from zaya_jax.model.config import ModelConfig
 from zaya_jax.perf import accelerators, gemm, roofline, sizing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +75,7 @@ def test_parse_dtypes_takes_aliases_and_rejects_others():
 
 
 def test_model_shapes_are_sizing_gemms_with_backward():
-  cfg = gemm.model_config(zaya1_tiny.get_config())
+  cfg = build_group(ModelConfig, zaya1_tiny.get_config(), "model")
   forward = sizing.model_gemms(cfg, 64)
   shapes = gemm.model_shapes(cfg, 64)
   assert len(shapes) == 3 * len(forward)
@@ -141,7 +143,7 @@ def test_table_is_the_roofline_gemm_seconds_hook():
   rows = [(dtype, m, n, 64, gemm.gemm_flops(m, n, 64) / 1e12) for dtype in gemm.DTYPES
           for m in (64, 4096) for n in (64, 4096)]
   table = gemm.GemmTable(rows)
-  cfg = gemm.model_config(zaya1_tiny.get_config())
+  cfg = build_group(ModelConfig, zaya1_tiny.get_config(), "model")
   est = roofline.estimate(cfg, accelerators.get_profile("mi300x"), num_devices=1, batch_size=2,
                           seq_len=64, dtype="bfloat16", gemm_seconds=table.seconds)
   assert len(est.gemms) == len(sizing.model_gemms(cfg, 128))
@@ -165,7 +167,7 @@ def test_cli_writes_csv_and_png(cli_runs):
     reader = csv.DictReader(f)
     assert tuple(reader.fieldnames) == gemm.CSV_COLUMNS
     got = list(reader)
-  cfg = gemm.model_config(zaya1_tiny.get_config())
+  cfg = build_group(ModelConfig, zaya1_tiny.get_config(), "model")
   n_model = len(gemm.model_shapes(cfg, 32))
   assert len(got) == 3 + 3 + 4 + n_model  # square 16 24 32; m 16 24 32; grid 2x2; model
   assert sum(r["kind"] == "model" for r in got) == n_model

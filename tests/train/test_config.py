@@ -90,3 +90,20 @@ def test_cli_rejects_bad_overrides(tmp_path, flag, message):
   assert proc.returncode != 0
   assert message in proc.stderr, proc.stderr[-2000:]
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_synthetic_configs_skip_the_data_group_but_check_the_rest():
+  """The tools that feed synthetic tokens read zaya1_base (no tokenizer on this machine),
+  and still get resolve's errors for the groups they use."""
+  from configs import zaya1_base
+  from zaya_jax.config import synthetic_configs
+  model, train, mesh, balance = synthetic_configs(zaya1_base.get_config())
+  assert (model.num_experts, train.grad_accum_steps, mesh.fsdp, balance.mode) == (16, 1, -1, "pid")
+  config = zaya1_base.get_config()
+  config.train.grad_accum_steps = 3  # 256 sequences do not split into 3 micro-batches
+  with pytest.raises(ConfigError, match="train.grad_accum_steps"):
+    synthetic_configs(config)
+  config = zaya1_base.get_config()
+  config.model.router_init = "xavier"
+  with pytest.raises(ConfigError, match="model.router_init"):
+    synthetic_configs(config)

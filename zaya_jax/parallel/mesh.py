@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 
 import jax
 import numpy as np
@@ -158,3 +159,30 @@ def abstract_with_shardings(abstract_tree, shardings):
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Sharding of `[B, T]` input batches: B over every batch axis."""
   return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def use_cpu_devices(num_devices: int) -> None:
+  """Asks XLA:CPU for `num_devices` fake devices, as
+  `XLA_FLAGS=--xla_force_host_platform_device_count=N` does; only before JAX starts its
+  backend (afterwards the device count is fixed and this is a no-op)."""
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  try:
+    jax.config.update("jax_num_cpu_devices", num_devices)
+  except RuntimeError:  # backend already initialised
+    pass
+
+
+def parse_meshes(text: str) -> list[MeshConfig]:
+  """`"1,1,8;2,1,4"` -> MeshConfigs (data, fsdp, expert).
+
+  Raises:
+    ValueError: for an entry that is not three comma-separated integers.
+  """
+  meshes = []
+  for entry in filter(None, (e.strip() for e in text.split(";"))):
+    sizes = [p.strip() for p in entry.split(",")]
+    if len(sizes) != 3 or not all(p.lstrip("-").isdigit() for p in sizes):
+      raise ValueError(f"--meshes entry {entry!r} must be three integers data,fsdp,expert")
+    meshes.append(MeshConfig(*map(int, sizes)))
+  return meshes

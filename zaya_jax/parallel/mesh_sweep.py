@@ -2,9 +2,9 @@
 """Mesh-shape experiments: compile the real training step on a mesh and read what XLA reports.
 
 For one `(mesh, dispatch)` pair, `sweep_row` builds the training step exactly as
-`zaya_jax.train.loop.run` does (`abstract_model` -> `make_optimizer` -> `train_state_shardings`
--> `make_train_step`), lowers it on *abstract* inputs (`jax.ShapeDtypeStruct`s carrying their
-`NamedSharding`s, so an 8.3B-parameter state never materialises) and compiles it. It reports,
+`zaya_jax.train.loop.run` does (`zaya_jax.train.setup.setup_training`), lowers it on
+*abstract* inputs (`jax.ShapeDtypeStruct`s carrying their `NamedSharding`s, so an
+8.3B-parameter state never materialises) and compiles it. It reports,
 per device:
 
 - memory from `compiled.memory_analysis()`: arguments, outputs, temporaries, generated code,
@@ -25,7 +25,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import os
 import re
 import statistics
 import textwrap
@@ -34,20 +33,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from zaya_jax.config import ConfigError, TrainConfig
+from zaya_jax.config import BalanceConfig, TrainConfig
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.parallel.dispatch import resolve_dispatch
 from zaya_jax.parallel.mesh import (EXPERT, MeshConfig, abstract_with_shardings, batch_sharding,
                                     check_divisibility, make_mesh, use_mesh)
-from zaya_jax.train.optim import make_optimizer, make_schedule
-from zaya_jax.train.state import (abstract_model, abstract_train_state, init_train_state,
-                                  train_state_shardings)
-from zaya_jax.train.step import make_train_step
+from zaya_jax.train.optim import make_optimizer
+from zaya_jax.train.setup import setup_training
+from zaya_jax.train.state import abstract_model, init_train_state
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
                "ragged-all-to-all")
@@ -56,26 +53,6 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 # --------------------------------------------------------------------------------------------
 # Configs: the model and optimizer groups only (the sweep feeds synthetic tokens).
 # --------------------------------------------------------------------------------------------
-
-
-def sweep_configs(config: ml_collections.ConfigDict) -> tuple[ModelConfig, TrainConfig]:
-  """`(ModelConfig, TrainConfig)` of `config`, validated as `zaya_jax.config.resolve` does.
-
-  The sweep never reads data: batches are synthetic token ids, so the `data` group and the
-  tokenizer check of `resolve` are not consulted (configs/zaya1_base.py leaves
-  `data.tokenizer` empty). Training still goes through `resolve` and all of its checks.
-
-  Raises:
-    ConfigError: naming the field, for an invalid `model` or `train` value.
-  """
-  model_values = dict(config.model)
-  model_values["layer_types"] = tuple(model_values["layer_types"])
-  try:
-    return ModelConfig(**model_values), TrainConfig(**dict(config.train))
-  except ConfigError:
-    raise
-  except (ValueError, TypeError) as e:  # TypeError: a field the dataclass does not have
-    raise ConfigError(str(e)) from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,35 +69,33 @@ def abstract_batch(batch_size: int, seq_len: int, mesh: jax.sharding.Mesh) -> di
 
 
 def lower_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh,
-                     batch_size: int, seq_len: int) -> jax.stages.Lowered:
+                     batch_size: int, seq_len: int,
+                     balance: BalanceConfig | None = None) -> jax.stages.Lowered:
   """The jitted `train_step` of `zaya_jax.train.loop.run`, lowered on abstract inputs.
 
   Must run inside `use_mesh(mesh)`. Nothing is allocated: the TrainState and the batch are
-  `jax.ShapeDtypeStruct`s with the shardings the training loop gives them.
+  `jax.ShapeDtypeStruct`s with the shardings the training loop gives them. `balance`: the
+  balancing-bias controller config (None = off), as training passes it.
 
   Raises:
     ValueError: if the mesh does not divide the experts, the hidden size or the batch.
   """
   check_divisibility(mesh, num_experts=model_cfg.num_experts, hidden_size=model_cfg.hidden_size,
-                     batch_size=batch_size)
-  graphdef, params_shape, _ = abstract_model(model_cfg, train_cfg.seed)
-  tx = make_optimizer(train_cfg, params_shape)
-  state_shape = abstract_train_state(model_cfg, tx, train_cfg.seed)
-  state_sharding = train_state_shardings(state_shape, mesh)
-  step = make_train_step(graphdef, tx, make_schedule(train_cfg), state_sharding,
-                         batch_sharding(mesh))
-  return step.lower(abstract_with_shardings(state_shape, state_sharding),
-                    abstract_batch(batch_size, seq_len, mesh))
+                     batch_size=batch_size, grad_accum_steps=train_cfg.grad_accum_steps)
+  built = setup_training(model_cfg, train_cfg, mesh, balance)
+  return built.step.lower(abstract_with_shardings(built.abstract_state, built.state_sharding),
+                          abstract_batch(batch_size, seq_len, mesh))
 
 
 def compile_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh,
-                       batch_size: int, seq_len: int) -> jax.stages.Compiled:
+                       batch_size: int, seq_len: int,
+                       balance: BalanceConfig | None = None) -> jax.stages.Compiled:
   """`lower_train_step(...).compile()`: the XLA executable of one training step on `mesh`.
 
   Callable as `compiled(state, batch)` with real arrays in the training shardings (the
   state's buffers are donated). Must run inside `use_mesh(mesh)`.
   """
-  return lower_train_step(model_cfg, train_cfg, mesh, batch_size, seq_len).compile()
+  return lower_train_step(model_cfg, train_cfg, mesh, batch_size, seq_len, balance).compile()
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,7 +519,7 @@ def measure_step_time(compiled: jax.stages.Compiled, model_cfg: ModelConfig,
 
 def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConfig, *,
               dispatch: str | None, batch_size: int, seq_len: int, steps: int = 0,
-              devices=None) -> dict[str, Any]:
+              devices=None, balance: BalanceConfig | None = None) -> dict[str, Any]:
   """Compiles (and, with `steps > 0`, times) the training step for one mesh and dispatch.
 
   Args:
@@ -555,6 +530,7 @@ def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConf
     batch_size: B, global sequences per step.
     seq_len: T, tokens per sequence.
     steps: timed steps after one warm-up; 0 = compile only.
+    balance: the balancing-bias controller config, as training passes it (None = off).
     devices: devices of the mesh (default: all).
 
   Returns:
@@ -582,7 +558,7 @@ def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConf
       "note": ""}
   with use_mesh(mesh):
     start = time.perf_counter()
-    lowered = lower_train_step(model_cfg, train_cfg, mesh, batch_size, seq_len)
+    lowered = lower_train_step(model_cfg, train_cfg, mesh, batch_size, seq_len, balance)
     compiled = None
     if resolved == "ragged_all_to_all" and jax.default_backend() == "cpu":
       hlo = lowered.as_text(dialect="hlo")
@@ -613,37 +589,11 @@ def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConf
 # --------------------------------------------------------------------------------------------
 
 
-def use_cpu_devices(num_devices: int) -> None:
-  """Asks XLA:CPU for `num_devices` fake devices, as
-  `XLA_FLAGS=--xla_force_host_platform_device_count=N` does; only before JAX starts its
-  backend (afterwards the device count is fixed and this is a no-op)."""
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-    return
-  try:
-    jax.config.update("jax_num_cpu_devices", num_devices)
-  except RuntimeError:  # backend already initialised
-    pass
-
-
-def parse_meshes(text: str) -> list[MeshConfig]:
-  """`"1,1,8;2,1,4"` -> MeshConfigs (data, fsdp, expert).
-
-  Raises:
-    ValueError: for an entry that is not three comma-separated integers.
-  """
-  meshes = []
-  for entry in filter(None, (e.strip() for e in text.split(";"))):
-    sizes = [p.strip() for p in entry.split(",")]
-    if len(sizes) != 3 or not all(p.lstrip("-").isdigit() for p in sizes):
-      raise ValueError(f"--meshes entry {entry!r} must be three integers data,fsdp,expert")
-    meshes.append(MeshConfig(*map(int, sizes)))
-  return meshes
-
-
 def run_sweep(model_cfg: ModelConfig, train_cfg: TrainConfig, meshes: list[MeshConfig],
               dispatches: list[str | None], *, batch_size: int, seq_len: int, steps: int,
-              log=print) -> list[dict[str, Any]]:
-  """`sweep_row` for every mesh x dispatch; a row that fails carries the error in `note`."""
+              log=print, balance: BalanceConfig | None = None) -> list[dict[str, Any]]:
+  """`sweep_row` for every mesh x dispatch (with the controller config `balance`, as training
+  runs it); a row that fails carries the error in `note`."""
   rows = []
   for mesh_cfg in meshes:
     for dispatch in dispatches:
@@ -651,7 +601,7 @@ def run_sweep(model_cfg: ModelConfig, train_cfg: TrainConfig, meshes: list[MeshC
       log(f"compiling {label} ...")
       try:
         row = sweep_row(model_cfg, train_cfg, mesh_cfg, dispatch=dispatch, batch_size=batch_size,
-                        seq_len=seq_len, steps=steps)
+                        seq_len=seq_len, steps=steps, balance=balance)
       except (ValueError, RuntimeError) as e:  # a mesh that does not divide; XLA errors
         row = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "expert": mesh_cfg.expert,
                "dispatch": dispatch or model_cfg.moe_dispatch, "batch": batch_size,

@@ -42,17 +42,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from zaya_jax.config import BalanceConfig, ConfigError, TrainConfig
+from zaya_jax.config import BalanceConfig, TrainConfig, synthetic_configs
 from zaya_jax.model.config import ModelConfig
-from zaya_jax.parallel.mesh import (MeshConfig, batch_sharding, check_divisibility, make_mesh,
-                                    use_mesh)
-from zaya_jax.parallel.mesh_sweep import sweep_configs, synthetic_batch
+from zaya_jax.parallel.mesh import MeshConfig, check_divisibility, make_mesh, use_mesh
+from zaya_jax.parallel.mesh_sweep import synthetic_batch
 from zaya_jax.perf import accelerators, timing
 from zaya_jax.perf.sizing import train_flops_per_token
-from zaya_jax.train.optim import make_optimizer, make_schedule
-from zaya_jax.train.state import (abstract_model, abstract_train_state, init_train_state,
-                                  train_state_shardings)
-from zaya_jax.train.step import make_train_step
+from zaya_jax.train.setup import setup_training
+from zaya_jax.train.state import init_train_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,20 +66,12 @@ def bench_configs(config: ml_collections.ConfigDict) -> BenchConfigs:
   """Validates the `model`, `train`, `mesh` and `balance` groups of `config`.
 
   Batches are synthetic, so the data group and the tokenizer are not consulted (as in
-  `mesh_sweep.sweep_configs`).
+  `zaya_jax.config.synthetic_configs`).
 
   Raises:
     ConfigError: naming the field, for an invalid value.
   """
-  model, train = sweep_configs(config)
-  try:
-    mesh = MeshConfig(**dict(config.mesh))
-    balance = BalanceConfig(**dict(config.balance)) if "balance" in config else BalanceConfig()
-  except ConfigError:
-    raise
-  except (ValueError, TypeError) as e:
-    raise ConfigError(str(e)) from e
-  return BenchConfigs(model, train, mesh, balance)
+  return BenchConfigs(*synthetic_configs(config))
 
 
 def cpu_threads() -> int:
@@ -114,20 +103,6 @@ def peak_memory_bytes() -> tuple[int, str]:
       return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use"
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
-
-
-def build_train_step(cfgs: BenchConfigs, mesh: jax.sharding.Mesh):
-  """`(train_step, state)`: the jitted step of `zaya_jax.train.loop` and a fresh TrainState.
-
-  Must run inside `use_mesh(mesh)`. The step donates its state argument.
-  """
-  graphdef, params_shape, _ = abstract_model(cfgs.model, cfgs.train.seed)
-  tx = make_optimizer(cfgs.train, params_shape)
-  state_sharding = train_state_shardings(
-      abstract_train_state(cfgs.model, tx, cfgs.train.seed), mesh)
-  step = make_train_step(graphdef, tx, make_schedule(cfgs.train), state_sharding,
-                         batch_sharding(mesh), balance=cfgs.balance)
-  return step, init_train_state(cfgs.model, tx, cfgs.train.seed, mesh)
 
 
 def time_steps(step: Callable, state: Any, batch: Any, steps: int, warmup: int) -> list[float]:
@@ -170,9 +145,11 @@ def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, 
     raise ValueError(f"steps={steps} and warmup={warmup} must both be >= 1")
   mesh = make_mesh(cfgs.mesh)
   check_divisibility(mesh, num_experts=cfgs.model.num_experts,
-                     hidden_size=cfgs.model.hidden_size, batch_size=batch_size)
+                     hidden_size=cfgs.model.hidden_size, batch_size=batch_size,
+                     grad_accum_steps=cfgs.train.grad_accum_steps)
   with use_mesh(mesh):
-    step, state = build_train_step(cfgs, mesh)
+    built = setup_training(cfgs.model, cfgs.train, mesh, cfgs.balance)
+    step, state = built.step, init_train_state(cfgs.model, built.tx, cfgs.train.seed, mesh)
     batch = synthetic_batch(cfgs.model, batch_size, seq_len, mesh)
     log(f"compiling and warming up ({warmup} step(s)) ...")
     start = time.perf_counter()

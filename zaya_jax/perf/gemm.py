@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -172,24 +171,6 @@ def sweep_shapes(sweeps: Sequence[str], sizes: Sequence[int], grid_sizes: Sequen
                  "k": (base, base, s)}[kind]
       shapes.append(GemmShape(kind, f"{kind} {s}", m, n, k))
   return shapes
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  """The `ModelConfig` of a config file's `model` group (the other groups are not read, so
-  no tokenizer or data is needed; `zaya_jax.config` is not imported, which keeps grain out of
-  this tool's start-up).
-
-  Raises:
-    ValueError: naming `model.<field>`, for an unknown or invalid field.
-  """
-  values = dict(config.model)
-  for f in ("layer_types", "kernels"):  # ConfigDict may hand back a list
-    if f in values:
-      values[f] = tuple(values[f])
-  try:
-    return ModelConfig(**values)
-  except TypeError as e:  # a field ModelConfig does not have
-    raise ValueError(f"model: {e}") from e
 
 
 def model_shapes(cfg: ModelConfig, tokens: int, expert_parallel: int = 1,

@@ -33,15 +33,13 @@ from absl import logging
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.data import make_eval_batches, make_train_iterator
-from zaya_jax.train.optim import describe_optimizer, make_optimizer, make_schedule
-from zaya_jax.parallel.mesh import (abstract_with_shardings, batch_sharding, check_divisibility, make_mesh,
-                                    use_mesh)
-from zaya_jax.train.state import (TrainState, abstract_model, abstract_train_state, init_train_state,
-                                  train_state_shardings)
+from zaya_jax.parallel.mesh import abstract_with_shardings, check_divisibility, make_mesh, use_mesh
 from zaya_jax.train.fault import StopSignals, Watchdog
 from zaya_jax.train.metrics import METRICS_FILE, MetricsWriter
-from zaya_jax.train.step import (BALANCE_PER_LAYER, BALANCE_SCALARS, expert_load, make_eval_step,
-                                  make_train_step)
+from zaya_jax.train.optim import describe_optimizer
+from zaya_jax.train.setup import setup_training
+from zaya_jax.train.state import TrainState, init_train_state
+from zaya_jax.train.step import BALANCE_PER_LAYER, BALANCE_SCALARS, expert_load, make_eval_step
 
 # A run that goes non-finite again after this many rollbacks to one checkpoint stops.
 MAX_ROLLBACKS_PER_CHECKPOINT = 3
@@ -114,12 +112,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
 def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool) -> TrainState:
   """The training loop of `run`, inside the mesh context."""
   train = cfg.train
-  graphdef, params_shape, _ = abstract_model(cfg.model, train.seed)
-  tx = make_optimizer(train, params_shape)
-  schedule = make_schedule(train)
-  data_sharding = batch_sharding(mesh)
-  abstract_state = abstract_train_state(cfg.model, tx, train.seed)
-  state_sharding = train_state_shardings(abstract_state, mesh)
+  built = setup_training(cfg.model, train, mesh, cfg.balance,
+                         fault_injection=bool(train.inject_nan_at_steps))
+  graphdef, params_shape, tx = built.graphdef, built.params_shape, built.tx
+  abstract_state, state_sharding, data_sharding = (built.abstract_state, built.state_sharding,
+                                                   built.data_sharding)
+  train_step = built.step
 
   local_batch = train.batch_size // jax.process_count()
   try:  # Bad data settings (no files, missing text field, ...) are user errors: one line.
@@ -163,9 +161,6 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
       logging.warning("train.inject_nan_at_steps=%s: NaN loss and gradients will be injected "
                       "(a test-only setting)", train.inject_nan_at_steps)
 
-  train_step = make_train_step(graphdef, tx, schedule, state_sharding, data_sharding,
-                               fault_injection=bool(train.inject_nan_at_steps),
-                               balance=cfg.balance, grad_accum_steps=train.grad_accum_steps)
   poisoned: set[int] = set()  # injected steps: once each per process, so a rollback moves past them
   eval_step = make_eval_step(graphdef, state_sharding, data_sharding)
   metrics_out = MetricsWriter(metrics_path, enabled=is_main, resume_step=latest)  # drops records > latest
