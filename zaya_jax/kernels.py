@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax import ops
-from zaya_jax.model.attention import dot_product_attention
+from zaya_jax.model.attention import causal_block_attention
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.parallel.mesh import BATCH_AXES
 
@@ -61,7 +61,8 @@ def attention(cfg: ModelConfig, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: ja
   Args:
     q_BTNH, k_BTKH, v_BTKH: queries (after QK-norm and RoPE), keys, values (GQA: N % K == 0).
     segment_ids_BT: int32 document ids, 0 = padding.
-    mask_BTS: the XLA path's bool mask (`attention.attention_mask`); None with the kernel.
+    mask_BTS: the XLA path's bool causal mask (`attention.attention_mask`); None with the
+      kernel. The XLA path computes only the causal block triangle (`causal_block_attention`).
     sliding: bool [] (may be traced, e.g. a per-layer flag inside `nnx.scan`): this layer
       attends within `cfg.sliding_window` tokens.
     scale: logit scale (head_dim ** -0.5).
@@ -70,7 +71,7 @@ def attention(cfg: ModelConfig, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: ja
   (finite values, equal in both); they are masked out of every loss.
   """
   if not uses_kernel(cfg, "attention"):
-    return dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, scale=scale)
+    return causal_block_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, scale=scale)
   from pallas_kernels.cca_attention import cca_flash_attention  # pylint: disable=import-outside-toplevel
 
   def run(window, q, k, v, seg):

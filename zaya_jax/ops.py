@@ -1,21 +1,29 @@
-# Shape letters: M D F E (see zaya_jax/__init__.py); P = padded rows, n = row tiles.
+# Shape letters: M D F E (see zaya_jax/__init__.py); P = padded rows, n = row tiles, t = rows of one tile.
 """The one place that picks an implementation per hot op (no global switches).
 
 `grouped_matmul` (the experts' GEMM on rows sorted by expert):
 - `"ragged_dot"`: `jax.lax.ragged_dot`, the XLA grouped GEMM (GPU production path);
 - `"tiled"`: rows of each group are padded to a multiple of `tile` rows and multiplied tile by
   tile with that tile's expert weight (one batched matmul). Same values; on XLA:CPU about 4x
-  faster than `ragged_dot`, whose CPU lowering costs as much as a dense all-experts product;
-- `"auto"`: `"tiled"` on CPU, `"ragged_dot"` elsewhere.
+  faster than `ragged_dot`, whose CPU lowering costs as much as a dense all-experts product,
+  but the static tile count `M / tile + E` computes about twice the needed rows, and the
+  gathered per-tile weights `[n, D, F]` are saved for the backward pass;
+- `"looped"`: a loop over only the tiles the group sizes need (each group's rows in blocks of
+  `tile`, read and written in place, the expert's weight sliced, nothing gathered), with a
+  `custom_vjp` whose backward pass forms dx and dw in one loop of the same tiles. Same values;
+  on XLA:CPU about 2x faster than `"tiled"` forward + backward (bench_cpu's experts);
+- `"auto"`: `"looped"` on CPU, `"ragged_dot"` elsewhere.
 The Pallas kernels of a later issue plug in here.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-GMM_IMPLS = ("auto", "ragged_dot", "tiled")
+GMM_IMPLS = ("auto", "ragged_dot", "tiled", "looped")
 
 
 def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, impl: str = "auto",
@@ -27,18 +35,20 @@ def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
     w_EDF: `[E, D, F]` one matrix per group.
     group_sizes_E: int32 `[E]`, rows per group, `sum <= M`.
     impl: one of GMM_IMPLS, or "pallas" (pallas_kernels.gmm; picked by zaya_jax.kernels).
-    tile: rows per tile of the `"tiled"` implementation.
+    tile: rows per tile of the `"tiled"` and `"looped"` implementations.
   Returns:
     `[M, F]` in the dtype of the inputs.
   Raises:
     ValueError: unknown `impl` (names the allowed values).
   """
   if impl == "auto":
-    impl = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    impl = "looped" if jax.default_backend() == "cpu" else "ragged_dot"
   if impl == "ragged_dot":
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
   if impl == "tiled":
     return _tiled_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile)
+  if impl == "looped":
+    return _looped_grouped_matmul(x_MD, w_EDF, group_sizes_E, max(1, min(tile, x_MD.shape[0])))
   if impl == "pallas":  # chosen by zaya_jax.kernels (ModelConfig.kernels), not by gmm_impl
     from pallas_kernels.gmm import gmm  # pylint: disable=import-outside-toplevel
     return gmm(x_MD, w_EDF, group_sizes_E.astype(jnp.int32))
@@ -64,3 +74,74 @@ def _tiled_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile):
   y_PF = jnp.einsum("nmD,nDF->nmF", x_PD.reshape(n, tile, -1), w_EDF[tile_group_n]).reshape(n * tile, -1)
   y_MF = y_PF.at[dest_M].get(mode="fill", fill_value=0)
   return jnp.where(valid_M[:, None], y_MF, 0)
+
+
+def _tile_plan(group_sizes_E: jax.Array, m: int, tile: int):
+  """The `"looped"` tiles: the ceil(size / tile) row blocks of each group, in row order.
+
+  Returns `(group_n, lo_n, hi_n, num)`: tile i multiplies rows `[lo, hi)` (at most `tile`, one
+  group's) by `w[group]`; only the first `num` (int32 [], dynamic) of the static bound
+  `n = M // tile + E` entries are tiles.
+  """
+  e = group_sizes_E.shape[0]
+  n = m // tile + e  # sum ceil(size / tile) <= (M + E (tile - 1)) / tile
+  ends_E = jnp.cumsum(group_sizes_E)
+  tiles_E = (group_sizes_E + tile - 1) // tile
+  tile_ends_E = jnp.cumsum(tiles_E)
+  i_n = jnp.arange(n, dtype=jnp.int32)
+  group_n = jnp.minimum(jnp.searchsorted(tile_ends_E, i_n, side="right"), e - 1)
+  lo_n = ends_E[group_n] - group_sizes_E[group_n] + (i_n - (tile_ends_E - tiles_E)[group_n]) * tile
+  hi_n = jnp.minimum(lo_n + tile, ends_E[group_n])
+  return group_n, lo_n, hi_n, tile_ends_E[-1]
+
+
+def _tile_rows(a_MX: jax.Array, lo: jax.Array, hi: jax.Array, tile: int):
+  """`(a_tX, valid_t, start)`: the `tile` rows from `start` (lo, moved back to fit in M) and
+  which of them lie in `[lo, hi)`."""
+  start = jnp.clip(lo, 0, a_MX.shape[0] - tile)
+  rows_t = start + jnp.arange(tile, dtype=lo.dtype)
+  return jax.lax.dynamic_slice_in_dim(a_MX, start, tile), (rows_t >= lo) & (rows_t < hi), start
+
+
+def _write_rows(out_MX: jax.Array, new_tX: jax.Array, valid_t: jax.Array, start: jax.Array):
+  """`out` with its rows `start + t` replaced by `new` where `valid`."""
+  old_tX = jax.lax.dynamic_slice_in_dim(out_MX, start, new_tX.shape[0])
+  new_tX = jnp.where(valid_t[:, None], new_tX.astype(out_MX.dtype), old_tX)
+  return jax.lax.dynamic_update_slice_in_dim(out_MX, new_tX, start, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _looped_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile):
+  group_n, lo_n, hi_n, num = _tile_plan(group_sizes_E, x_MD.shape[0], tile)
+
+  def body(i, y_MF):
+    x_tD, valid_t, start = _tile_rows(x_MD, lo_n[i], hi_n[i], tile)
+    return _write_rows(y_MF, x_tD @ w_EDF[group_n[i]], valid_t, start)
+
+  return jax.lax.fori_loop(0, num, body, jnp.zeros((x_MD.shape[0], w_EDF.shape[2]), x_MD.dtype))
+
+
+def _looped_fwd(x_MD, w_EDF, group_sizes_E, tile):
+  return _looped_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile), (x_MD, w_EDF, group_sizes_E)
+
+
+def _looped_bwd(tile, residuals, dy_MF):
+  """dx = dy w[group]^T per tile, dw[group] += x^T dy per tile (float32 sums), one loop."""
+  x_MD, w_EDF, group_sizes_E = residuals
+  group_n, lo_n, hi_n, num = _tile_plan(group_sizes_E, x_MD.shape[0], tile)
+
+  def body(i, carry):
+    dx_MD, dw_EDF = carry
+    x_tD, valid_t, start = _tile_rows(x_MD, lo_n[i], hi_n[i], tile)
+    dy_tF = jnp.where(valid_t[:, None], jax.lax.dynamic_slice_in_dim(dy_MF, start, tile), 0)
+    g = group_n[i]
+    dx_MD = _write_rows(dx_MD, jnp.einsum("tF,DF->tD", dy_tF, w_EDF[g]), valid_t, start)
+    dw_DF = jnp.einsum("tD,tF->DF", x_tD, dy_tF, preferred_element_type=jnp.float32)
+    return dx_MD, dw_EDF.at[g].add(dw_DF)
+
+  init = (jnp.zeros_like(x_MD), jnp.zeros(w_EDF.shape, jnp.float32))
+  dx_MD, dw_EDF = jax.lax.fori_loop(0, num, body, init)
+  return dx_MD, dw_EDF.astype(w_EDF.dtype), None
+
+
+_looped_grouped_matmul.defvjp(_looped_fwd, _looped_bwd)

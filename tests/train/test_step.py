@@ -14,6 +14,7 @@ from zaya_jax.model import BalancingBias
 from zaya_jax.train import (cross_entropy, decay_mask, init_train_state, make_optimizer,
                             make_schedule, train_step)
 from zaya_jax.train.optim import per_layer_ndim
+from zaya_jax.train.step import linear_cross_entropy
 from zaya_jax.train.state import abstract_model
 
 
@@ -189,3 +190,30 @@ def test_grad_accumulation_steps_must_divide_batch():
   from zaya_jax.config import ConfigError
   with pytest.raises(ConfigError, match="grad_accum_steps"):
     TrainConfig(batch_size=6, grad_accum_steps=4)
+
+
+@pytest.mark.parametrize("chunks", [None, 1, 2, 6])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_equals_logits_then_cross_entropy(chunks, bias):
+  b, t, d, v = 2, 12, 8, 37
+  ky, kw, kb, kt = jax.random.split(jax.random.key(0), 4)
+  y = jax.random.normal(ky, (b, t, d))
+  w = jax.random.normal(kw, (v, d))
+  bias_v = jax.random.normal(kb, (v,)) if bias else None
+  targets = jax.random.randint(kt, (b, t), 0, v)
+  mask = jnp.asarray(random_batch(np.random.default_rng(0), b, t)["loss_mask"])
+
+  def plain(y, w, bias_v):
+    logits = jnp.einsum("BTD,VD->BTV", y, w) + (0 if bias_v is None else bias_v)
+    return cross_entropy(logits, targets, mask)[0]
+
+  fused = lambda y, w, bias_v: linear_cross_entropy(y, w, bias_v, targets, mask, chunks)[0]
+  want, want_grads = jax.value_and_grad(plain, argnums=(0, 1, 2))(y, w, bias_v)
+  got, got_grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(y, w, bias_v)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  np.testing.assert_allclose(fused(y, w, bias_v), want, rtol=1e-5)  # no gradient: the plain scan
+  assert float(linear_cross_entropy(y, w, bias_v, targets, mask, chunks)[1]) == float(mask.sum())
+  for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="chunks=5"):
+    linear_cross_entropy(y, w, bias_v, targets, mask, 5)

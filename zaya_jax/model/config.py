@@ -57,7 +57,7 @@ class ModelConfig:
   moe_dispatch: str = "auto"  # EP token dispatch: zaya_jax.parallel.dispatch.DISPATCHES
   capacity_factor: float = 1.25  # "all_to_all" dispatch: slots per expert = factor * tokens / E
   force_balanced_routing: bool = False  # debug: round-robin tokens over experts (throughput runs)
-  gmm_impl: str = "auto"  # experts' grouped matmul: zaya_jax.ops.GMM_IMPLS ("auto" | "ragged_dot" | "tiled")
+  gmm_impl: str = "auto"  # experts' grouped matmul: one of zaya_jax.ops.GMM_IMPLS
   kernels: tuple[str, ...] = ()  # ops run as Pallas kernels (zaya_jax/kernels.py): "routing", "gmm", "attention"
   pad_token_id: int = 0
   bos_token_id: int = 2
@@ -95,8 +95,8 @@ class ModelConfig:
       fail("skip_mode", f"{self.skip_mode!r}; must be one of {SKIP_MODES}")
     if self.router_init not in ROUTER_INITS:
       fail("router_init", f"{self.router_init!r}; must be one of {ROUTER_INITS}")
-    if self.gmm_impl not in ("auto", "ragged_dot", "tiled"):
-      fail("gmm_impl", f"{self.gmm_impl!r}; must be one of ('auto', 'ragged_dot', 'tiled')")
+    if self.gmm_impl not in ("auto", "ragged_dot", "tiled", "looped"):
+      fail("gmm_impl", f"{self.gmm_impl!r}; must be one of ('auto', 'ragged_dot', 'tiled', 'looped')")
     for op in self.kernels:
       if op not in KERNEL_OPS:
         fail("kernels", f"entry {op!r}; must be a tuple of {KERNEL_OPS} (the ops to run as Pallas "

@@ -103,6 +103,15 @@ class ZayaForCausalLM(nnx.Module):
       self.lm_head_bias = param(rngs, zeros, (cfg.vocab_size,), ("vocab",))
 
   def __call__(self, input_ids, segment_ids=None, positions=None, *, return_aux=False):
+    x_BTD, aux = self.backbone(input_ids, segment_ids, positions)
+    logits_BTV = self.lm_head(x_BTD)
+    return (logits_BTV, aux) if return_aux else logits_BTV
+
+  def backbone(self, input_ids, segment_ids=None, positions=None):
+    """Everything before the LM head: `(x_BTD, aux)`, the float32 residual after the last
+    layer (before the final norm) and the aux dict of `__call__(..., return_aux=True)`.
+    The training loss takes it to `head_inputs` and a fused LM head + cross-entropy
+    (`zaya_jax.train.step.linear_cross_entropy`), never building the `[B, T, V]` logits."""
     cfg = self.cfg
     input_ids_BT, segment_ids_BT, positions_BT = input_ids, segment_ids, positions
     input_ids_BT = jnp.asarray(input_ids_BT, jnp.int32)
@@ -148,25 +157,29 @@ class ZayaForCausalLM(nnx.Module):
     r0_BTR = jnp.zeros((b, t, cfg.router_hidden_size), jnp.float32)
     (x_BTD, _), (counts_LX, dropped_L, router_L) = run_layers((x_BTD, r0_BTR), self.layers, jnp.asarray(is_sliding_L))
 
-    # Step 3: final norm and the tied LM head.
-    logits_BTV = self.lm_head(x_BTD)
-    if return_aux:
-      return logits_BTV, {"expert_counts": counts_LX, "dropped_tokens": dropped_L,
-                          "router_entropy": router_L["entropy"],
-                          "router_mean_probs": router_L["mean_probs"], "router_z2": router_L["z2"]}
+    return x_BTD, {"expert_counts": counts_LX, "dropped_tokens": dropped_L,
+                   "router_entropy": router_L["entropy"],
+                   "router_mean_probs": router_L["mean_probs"], "router_z2": router_L["z2"]}
+
+  # Step 3: final norm and the tied LM head.
+  def head_inputs(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The LM head's operands: `(y_BTD, w_VD, bias_V)`, the final-normed residual and the tied
+    embedding in the compute dtype, and the float32 head bias (None without
+    `lm_head_bias`); logits = `y @ w.T + bias` in float32."""
+    dtype = compute_dtype(self.cfg.dtype)
+    y_BTD = self.norm(x_BTD).astype(dtype)
+    bias_V = self.lm_head_bias[...] if self.cfg.lm_head_bias else None
+    return y_BTD, self.embed_tokens[...].astype(dtype), bias_V
+
+  def lm_head(self, x_BTD: jax.Array) -> jax.Array:
+    """Final RMSNorm and the tied LM head: float32 residual `[B, T, D]` -> float32 logits `[B, T, V]`."""
+    y_BTD, w_VD, bias_V = self.head_inputs(x_BTD)
+    logits_BTV = jnp.einsum("BTD,VD->BTV", y_BTD, w_VD, preferred_element_type=jnp.float32)
+    if bias_V is not None:
+      logits_BTV = logits_BTV + bias_V
     return logits_BTV
 
   # --- Incremental decoding with a cache (zaya_jax/generate.py) --------------------------------
-  def lm_head(self, x_BTD: jax.Array) -> jax.Array:
-    """Final RMSNorm and the tied LM head: float32 residual `[B, T, D]` -> float32 logits `[B, T, V]`."""
-    dtype = compute_dtype(self.cfg.dtype)
-    y_BTD = self.norm(x_BTD).astype(dtype)
-    logits_BTV = jnp.einsum("BTD,VD->BTV", y_BTD, self.embed_tokens[...].astype(dtype),
-                            preferred_element_type=jnp.float32)
-    if self.cfg.lm_head_bias:
-      logits_BTV = logits_BTV + self.lm_head_bias[...]
-    return logits_BTV
-
   def forward_with_cache(self, input_ids, cache, *, last_only=False):
     """Logits of T new tokens that continue the tokens held in `cache`, and the updated cache.
 
