@@ -49,8 +49,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_dispatch = "auto"  # EP token dispatch: "auto" (ragged_all_to_all on GPU, allgather on CPU) | "allgather" | "all_to_all" | "ragged_all_to_all" | "local"
   m.capacity_factor = 1.25  # "all_to_all" only: slots per expert per shard = factor * tokens / E
   m.force_balanced_routing = False  # debug: round-robin tokens over experts (throughput/memory runs)
-  # Experts' grouped matmul: "auto" (looped on CPU, ragged_dot on GPU) | "ragged_dot" |
-  # "tiled" | "looped" (zaya_jax/ops.py).
+  # Experts' grouped matmul: "auto" (tiled on CPU, ragged_dot on GPU) | "ragged_dot" |
+  # "tiled" | "looped" (fastest on one CPU device; not under expert parallelism) (zaya_jax/ops.py).
   m.gmm_impl = "auto"
   # Ops to run as Pallas kernels (Triton lowering: ROCm and CUDA; interpret mode on CPU, slow),
   # any of "routing", "gmm", "attention"; the rest run as XLA. E.g. --config.model.kernels="('gmm','attention')"

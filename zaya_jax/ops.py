@@ -11,8 +11,10 @@
 - `"looped"`: a loop over only the tiles the group sizes need (each group's rows in blocks of
   `tile`, read and written in place, the expert's weight sliced, nothing gathered), with a
   `custom_vjp` whose backward pass forms dx and dw in one loop of the same tiles. Same values;
-  on XLA:CPU about 2x faster than `"tiled"` forward + backward (bench_cpu's experts);
-- `"auto"`: `"looped"` on CPU, `"ragged_dot"` elsewhere.
+  on XLA:CPU about 2x faster than `"tiled"` forward + backward (bench_cpu's experts). Single
+  device only for now: inside the expert-parallel `shard_map` its `while_loop` carry fails
+  JAX's varying-axes check, so it is opt-in (configs/bench_cpu.py sets it);
+- `"auto"`: `"tiled"` on CPU, `"ragged_dot"` elsewhere.
 The Pallas kernels of a later issue plug in here.
 """
 
@@ -42,7 +44,7 @@ def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
     ValueError: unknown `impl` (names the allowed values).
   """
   if impl == "auto":
-    impl = "looped" if jax.default_backend() == "cpu" else "ragged_dot"
+    impl = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
   if impl == "ragged_dot":
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
   if impl == "tiled":

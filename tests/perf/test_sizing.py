@@ -107,8 +107,9 @@ def _hlo_dot_flops(fn, *args) -> int:
 
 
 def test_forward_and_train_flops_match_hlo():
-  """Compiled dot FLOPs of the forward = our GEMMs + dense (masked, not halved) attention +
-  the grouped conv (an einsum; the depthwise conv is elementwise). XLA:CPU lowers
+  """Compiled dot FLOPs of the forward = our GEMMs + the XLA path's attention (8 causal query
+  blocks, each against the keys up to its end: `attention.causal_block_attention`) + the
+  grouped conv (an einsum; the depthwise conv is elementwise). XLA:CPU lowers
   `ragged_dot` as a dense all-experts product: E x the top-1 expert FLOPs. The training step
   (grad) lowers to exactly 3 x the forward's dot FLOPs."""
   cfg = CONFIGS["small"].replace(force_balanced_routing=True, gmm_impl="ragged_dot")
@@ -122,9 +123,12 @@ def test_forward_and_train_flops_match_hlo():
 
   gemms = sizing.model_gemms(cfg, b * t)
   expert = sum(g.flops for g in gemms if g.name.startswith("moe."))
-  per_tok = sizing.non_gemm_flops_per_token(cfg, t, causal=False)
+  per_tok = sizing.non_gemm_flops_per_token(cfg, t, causal=False)  # every query sees T keys
+  block = t // 8  # query block i (of 8) reads keys [0, (i + 1) * block)
+  blocks_fraction = sum(block * (i + 1) * block for i in range(8)) / t ** 2  # 36/64
   expected = (sum(g.flops for g in gemms) + (cfg.num_experts - 1) * expert
-              + b * t * (per_tok["attn.scores"] + per_tok["attn.values"] + per_tok["cca.conv_grouped"]))
+              + b * t * (blocks_fraction * (per_tok["attn.scores"] + per_tok["attn.values"])
+                         + per_tok["cca.conv_grouped"]))
   assert got_fwd == expected
   assert got_train == 3 * got_fwd
 
