@@ -79,11 +79,11 @@ def main(argv):
     grid = gemm.powers_of_two(_MIN.value, _MAX.value)
     shapes = gemm.sweep_shapes(_SWEEPS.value, sizes, grid, _BASE.value)
     if _CONFIG.value is not None:
-      shapes += gemm.model_shapes(build_group(ModelConfig, _CONFIG.value, "model"), _TOKENS.value, _EP.value)
+      model_cfg = build_group(ModelConfig, _CONFIG.value, "model")
+      shapes += gemm.model_shapes(model_cfg, _TOKENS.value, _EP.value)
   except ValueError as e:
     sys.exit(f"invalid arguments: {e}")
-  profile = (accelerators.get_profile(_PROFILE.value) if _PROFILE.value
-             else accelerators.detect_profile())
+  profile = accelerators.resolve_profile(_PROFILE.value)
   note = f"figures describe: {host_description()}"
   print(note, flush=True)
   print(f"{len(shapes)} shapes x {len(_DTYPES.value)} dtypes; peak: "

@@ -48,8 +48,7 @@ def main(argv):
     sizes = memory.array_sizes(_MIN.value * 1024, _MAX.value * 1024, itemsize)
   except ValueError as e:
     sys.exit(f"invalid arguments: {e}")
-  profile = (accelerators.get_profile(_PROFILE.value) if _PROFILE.value
-             else accelerators.detect_profile())
+  profile = accelerators.resolve_profile(_PROFILE.value)
   note = f"figures describe: {host_description()}"
   print(note, flush=True)
   results = memory.run_stream(_KERNELS.value, sizes, _DTYPE.value, repeats=_REPEATS.value,

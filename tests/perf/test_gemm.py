@@ -3,9 +3,6 @@ the `launch.bench_gemm` CLI on tiny shapes. No timing is asserted (the host is s
 
 import csv
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -13,8 +10,8 @@ from configs import zaya1_tiny
 from zaya_jax.config import build_group
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.perf import accelerators, gemm, roofline, sizing
+from tests.perf.cli import run_concurrently
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [gemm.GemmShape("square", "square 16", 16, 16, 16),
         gemm.GemmShape("square", "square 32", 32, 32, 32),
         gemm.GemmShape("m", "m 32", 32, 16, 16)]
@@ -30,17 +27,8 @@ CLI_RUNS = {
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-  """`launch.bench_gemm` once per CLI_RUNS entry, all started together (each spends most of its
-  time importing JAX): name -> (return code, output, OUT folder)."""
-  root = tmp_path_factory.mktemp("bench_gemm")
-  procs = {name: subprocess.Popen(
-      [sys.executable, "-m", "launch.bench_gemm", *args, f"--out={root / name}"], cwd=REPO,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name, args in CLI_RUNS.items()}
-  runs = {}
-  for name, p in procs.items():
-    output = p.communicate(timeout=300)[0]
-    runs[name] = (p.returncode, output, root / name)
-  return runs
+  """`launch.bench_gemm` once per CLI_RUNS entry: name -> (return code, output, OUT folder)."""
+  return run_concurrently("launch.bench_gemm", CLI_RUNS, tmp_path_factory.mktemp("bench_gemm"))
 
 
 def test_flops_are_two_m_n_k():

@@ -2,9 +2,6 @@
 CLI on tiny sizes. No timing is asserted (the host is shared)."""
 
 import csv
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +9,8 @@ import numpy as np
 import pytest
 
 from zaya_jax.perf import accelerators, memory
+from tests.perf.cli import run_concurrently
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI_RUNS = {
     "smoke": ["--min_kib=1", "--max_kib=4", "--repeats=1", "--warmup=1"],
     "kernels": ["--kernels=memset"],
@@ -24,17 +21,8 @@ CLI_RUNS = {
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-  """`launch.bench_memory` once per CLI_RUNS entry, all started together (each spends most of its
-  time importing JAX): name -> (return code, output, OUT folder)."""
-  root = tmp_path_factory.mktemp("bench_memory")
-  procs = {name: subprocess.Popen(
-      [sys.executable, "-m", "launch.bench_memory", *args, f"--out={root / name}"], cwd=REPO,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name, args in CLI_RUNS.items()}
-  runs = {}
-  for name, p in procs.items():
-    output = p.communicate(timeout=300)[0]
-    runs[name] = (p.returncode, output, root / name)
-  return runs
+  """`launch.bench_memory` once per CLI_RUNS entry: name -> (return code, output, OUT folder)."""
+  return run_concurrently("launch.bench_memory", CLI_RUNS, tmp_path_factory.mktemp("bench_memory"))
 
 
 def test_stream_byte_counting():

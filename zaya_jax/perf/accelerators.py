@@ -103,3 +103,12 @@ def detect_profile(device: jax.Device | None = None) -> AcceleratorProfile | Non
     if any(k.lower() in kind.lower() for k in profile.device_kinds):
       return profile
   return None
+
+
+def resolve_profile(name: str | None) -> AcceleratorProfile | None:
+  """`get_profile(name)` when a name is given, else `detect_profile()` (None on a CPU).
+
+  Raises:
+    ValueError: for an unknown name (from `get_profile`).
+  """
+  return get_profile(name) if name else detect_profile()
