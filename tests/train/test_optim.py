@@ -24,7 +24,7 @@ from tests.train.test_step import random_batch, tiny_model_config
 from zaya_jax.config import ConfigError, TrainConfig, resolve
 from zaya_jax.train import init_train_state, train_step
 from zaya_jax.train.optim import (describe_optimizer, make_optimizer, make_schedule,
-                                  param_groups)
+                                  param_groups, update_or_skip)
 from zaya_jax.train.state import abstract_model
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # optax.contrib.muon's default ("standard") quintic
@@ -173,15 +173,78 @@ def test_wsd_schedule(shape, mid):
   cfg = TrainConfig(num_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, schedule="wsd",
                     decay_fraction=0.2, decay_shape=shape)
   sched = make_schedule(cfg)
-  mid_step = 90 if shape == "linear" else 85  # 1-sqrt: a quarter of the decay -> 1 - 0.5
-  for step, want in [(0, 0.0), (5, 0.5), (10, 1.0), (50, 1.0), (79, 1.0), (80, 1.0),
-                     (mid_step, mid), (100, 0.1), (1000, 0.1)]:
-    np.testing.assert_allclose(float(sched(step)), want, rtol=1e-6, atol=1e-7,
-                               err_msg=f"step {step}")
-  np.testing.assert_allclose(float(make_schedule(cfg, peak=0.02)(50)), 0.02, rtol=1e-6)
-  np.testing.assert_allclose(float(make_schedule(cfg, peak=0.02)(100)), 0.002, rtol=1e-6)
+  mid_update = 90 if shape == "linear" else 85  # 1-sqrt: a quarter of the decay -> 1 - 0.5
+  # Update k runs at step k - 1 and uses the shape's value at k.
+  for update, want in [(1, 0.1), (5, 0.5), (10, 1.0), (50, 1.0), (79, 1.0), (80, 1.0),
+                       (mid_update, mid), (100, 0.1), (1000, 0.1)]:
+    np.testing.assert_allclose(float(sched(update - 1)), want, rtol=1e-6, atol=1e-7,
+                               err_msg=f"update {update}")
+  np.testing.assert_allclose(float(make_schedule(cfg, peak=0.02)(49)), 0.02, rtol=1e-6)
+  np.testing.assert_allclose(float(make_schedule(cfg, peak=0.02)(99)), 0.002, rtol=1e-6)
   flat = make_schedule(dataclasses.replace(cfg, decay_fraction=0.0))
-  assert [float(flat(s)) for s in (10, 99, 500)] == [1.0, 1.0, 1.0]
+  assert [float(flat(s)) for s in (9, 99, 500)] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_schedule_ends_on_the_final_rate(schedule):
+  """The last update uses peak * min_lr_ratio and the first decay update a decayed rate
+  (issue 14: cosine ended at 0.127 instead of 0.1, WSD applied 1.0, 0.7, 0.4)."""
+  num_steps = 12 if schedule == "cosine" else 15
+  cfg = TrainConfig(num_steps=num_steps, warmup_steps=3, lr=1.0, min_lr_ratio=0.1,
+                    schedule=schedule, decay_fraction=0.2)  # wsd: 3 decay updates
+  sched = make_schedule(cfg)
+  rates = [float(sched(step)) for step in range(num_steps)]  # updates 1..num_steps
+  np.testing.assert_allclose(rates[:3], [1 / 3, 2 / 3, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(rates[-1], 0.1, rtol=1e-6)
+  if schedule == "wsd":
+    np.testing.assert_allclose(rates[3:], [1.0] * 9 + [0.7, 0.4, 0.1], rtol=1e-6)
+  else:  # cosine from the peak at update 3 to the end at update 12
+    np.testing.assert_allclose(rates[3], 0.1 + 0.45 * (1 + np.cos(np.pi / 9)), rtol=1e-6)
+    assert all(a > b for a, b in zip(rates[2:], rates[3:]))
+
+
+class _Toy(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(jnp.zeros((3,), jnp.float32))
+
+
+def test_skipped_updates_keep_schedule_and_bias_correction_on_the_step():
+  """With a constant gradient g the Adam moments after n applied updates are known,
+  mu = (1 - b1^n) g, nu = (1 - b2^n) g^2, so each parameter delta gives back the rate and
+  the bias-correction count the update used. Updates 2 and 3 are skipped (issue 14: update
+  4 applied schedule(1) with count 2 while the log said schedule(3))."""
+  cfg = TrainConfig(num_steps=12, warmup_steps=4, lr=3e-3, schedule="wsd", b1=0.9, b2=0.95,
+                    eps=1e-30, weight_decay=0.0, grad_clip_norm=0.0)
+  params = nnx.state(_Toy(), nnx.Param)
+  tx = make_optimizer(cfg, params)
+  sched = make_schedule(cfg)
+  g = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, jnp.float32), params)
+  opt_state = tx.init(params)
+  step_fn = jax.jit(lambda p, o, s, ok: update_or_skip(tx, g, o, p, s, ok))
+  applied = 0
+  for step, ok in enumerate([True, False, False, True, True, True]):
+    new_params, opt_state = step_fn(params, opt_state, jnp.int32(step), jnp.bool_(ok))
+    delta = float(params["w"][...][0] - new_params["w"][...][0])
+    params = new_params
+    if not ok:
+      assert delta == 0.0, step
+      continue
+    applied += 1
+    t = step + 1  # bias corrections count the step, as the schedule does
+    want = float(sched(step)) * (1 - 0.9 ** applied) / (1 - 0.9 ** t) / np.sqrt(
+        (1 - 0.95 ** applied) / (1 - 0.95 ** t))
+    np.testing.assert_allclose(delta, want, rtol=1e-5, err_msg=f"update {t}")
+  counts = [x for p, x in jax.tree_util.tree_leaves_with_path(opt_state)
+            if jax.tree_util.keystr(p).endswith(".count")]
+  assert counts and all(int(c) == 6 for c in counts)
+  # A state whose counters lag its step (a checkpoint written before this rule): realigned.
+  lagging = jax.tree_util.tree_map_with_path(
+      lambda p, x: x - 3 if jax.tree_util.keystr(p).endswith(".count") else x, opt_state)
+  _, realigned = step_fn(params, lagging, jnp.int32(6), jnp.bool_(True))
+  _, straight = step_fn(params, opt_state, jnp.int32(6), jnp.bool_(True))
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), realigned,
+                                          straight)))
+
 
 
 # --- config ----------------------------------------------------------------------------------

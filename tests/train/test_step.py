@@ -100,12 +100,13 @@ def test_step_trains_params_not_balancing_biases(setup):
 def test_schedule_warmup_then_cosine():
   cfg = TrainConfig(num_steps=110, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
   sched = make_schedule(cfg)
-  np.testing.assert_allclose(float(sched(0)), 0.0)
-  np.testing.assert_allclose(float(sched(5)), 0.5e-3, rtol=1e-6)
-  np.testing.assert_allclose(float(sched(10)), 1e-3, rtol=1e-6)
-  np.testing.assert_allclose(float(sched(60)), 1e-4 + 0.5 * (1e-3 - 1e-4), rtol=1e-5)
-  np.testing.assert_allclose(float(sched(110)), 1e-4, rtol=1e-5)
-  np.testing.assert_allclose(float(sched(500)), 1e-4, rtol=1e-5)
+  rate = lambda k: float(sched(k - 1))  # update k runs at step k - 1
+  np.testing.assert_allclose(rate(1), 1e-4, rtol=1e-6)  # the first update is not wasted at 0
+  np.testing.assert_allclose(rate(5), 0.5e-3, rtol=1e-6)
+  np.testing.assert_allclose(rate(10), 1e-3, rtol=1e-6)
+  np.testing.assert_allclose(rate(60), 1e-4 + 0.5 * (1e-3 - 1e-4), rtol=1e-5)
+  np.testing.assert_allclose(rate(110), 1e-4, rtol=1e-5)  # the last update: the final rate
+  np.testing.assert_allclose(rate(500), 1e-4, rtol=1e-5)
 
 
 def test_weight_decay_only_on_matrices():
@@ -121,25 +122,46 @@ def test_weight_decay_only_on_matrices():
   assert "layers/input_layernorm/weight" not in decayed  # [L, D]: a vector per layer
 
 
+def applied_rate(before, after):
+  """The rate of a sign-descent update (AdamW with b1 = b2 = 0, no weight decay): every
+  embedding entry with a gradient moves by exactly the rate (the median of the moves)."""
+  delta = np.abs(np.asarray(after.params["embed_tokens"][...], np.float64)
+                 - np.asarray(before.params["embed_tokens"][...], np.float64))
+  return float(np.median(delta[delta > 0])) if delta.any() else 0.0
+
+
 def test_non_finite_update_is_skipped_and_counted(setup):
-  """A poisoned update leaves params and optimizer state bit-identical, advances the step and
-  counts the skip; the next clean update applies and resets the consecutive count."""
+  """A poisoned update leaves params and optimizer moments bit-identical, advances the step,
+  optax's counters and the schedule, and counts the skip; the next clean update applies and
+  resets the consecutive count. Sign descent makes each update's rate readable from the
+  parameter delta: update 4, after skipped updates 2 and 3, must apply and log the
+  schedule's rate of update 4 (issue 14: it logged 7.5e-3 and applied 2.5e-3)."""
   model_cfg, graphdef, state, _ = setup
-  train_cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-2, batch_size=2, seq_len=12)
+  train_cfg = TrainConfig(num_steps=10, warmup_steps=4, lr=1e-2, batch_size=2, seq_len=12,
+                          b1=0.0, b2=0.0, eps=1e-30, weight_decay=0.0)
   _, params_shape, _ = abstract_model(model_cfg, seed=0)
   tx = make_optimizer(train_cfg, params_shape)
-  step = jax.jit(lambda s, b, p: train_step(graphdef, tx, make_schedule(train_cfg), s, b, p))
+  sched = make_schedule(train_cfg)
+  step = jax.jit(lambda s, b, p: train_step(graphdef, tx, sched, s, b, p))
   batch = random_batch(np.random.default_rng(1))
+  s0 = jax.tree.map(np.array, state)  # `step` donates nothing, but keep a host copy
   s1, m1 = step(state, batch, np.bool_(False))
+  np.testing.assert_allclose(applied_rate(s0, s1), 2.5e-3, rtol=1e-4)  # warm-up 1/4
+  np.testing.assert_allclose(float(m1["lr"]), 2.5e-3, rtol=1e-6)
   s2, m2 = step(s1, batch, np.bool_(True))
   assert np.isnan(m2["loss"]) and float(m2["skipped"]) == 1.0
   assert int(s2.step) == 2 and int(s2.skipped_steps) == 1 and int(s2.consecutive_skips) == 1
-  same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), (s1.params, s1.opt_state),
-                      (s2.params, s2.opt_state))
+  is_count = lambda path: jax.tree_util.keystr(path).endswith(".count")
+  same = jax.tree_util.tree_map_with_path(
+      lambda path, a, b: int(b) == int(a) + 1 if is_count(path) else bool(np.array_equal(a, b)),
+      (s1.params, s1.opt_state), (s2.params, s2.opt_state))
   assert all(jax.tree.leaves(same))
   s3, m3 = step(s2, batch, np.bool_(True))
   assert int(s3.consecutive_skips) == 2 and int(s3.skipped_steps) == 2
   s4, m4 = step(s3, batch, np.bool_(False))
+  np.testing.assert_allclose(applied_rate(s3, s4), float(sched(3)), rtol=1e-4)
+  np.testing.assert_allclose(float(m4["lr"]), applied_rate(s3, s4), rtol=1e-4)
+  np.testing.assert_allclose(float(m4["lr"]), 1e-2, rtol=1e-6)  # update 4 ends the warm-up
   assert np.isfinite(m4["loss"]) and float(m4["skipped"]) == 0.0
   assert int(s4.consecutive_skips) == 0 and int(s4.skipped_steps) == 2
   changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), s3.params, s4.params)

@@ -25,10 +25,21 @@ Schedules (`train.schedule`), both with a linear warm-up from 0 over `train.warm
   "cosine"  cosine decay to `peak * min_lr_ratio` at `num_steps`;
   "wsd"     warm-up, stable at peak, then decay over the last `decay_fraction * num_steps`
             steps to `peak * min_lr_ratio`, linear or `1 - sqrt` (`train.decay_shape`).
-The Muon group uses the same shape scaled to `train.muon_lr`.
+The Muon group uses the same shape scaled to `train.muon_lr`. Update k (1-based) uses the
+shape's value at k: the first update a warm-up fraction 1/warmup_steps of the peak (never 0),
+update `warmup_steps` the peak, the first decay update an already decayed rate and the last
+update (`num_steps`) the final rate `peak * min_lr_ratio`.
+
+Skipped updates (non-finite loss or gradient, `zaya_jax.train.step`): the schedule follows
+the step, not the applied updates. `update_or_skip` keeps parameters and moments on a skip but
+sets every optax `count` to the TrainState's step, so the rate of update k is the schedule's
+value at k whatever was skipped before it (and after a rollback or a resume), Adam's and
+Muon's bias corrections count the same steps, and the logged `lr` is the applied one.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,11 +79,19 @@ def make_schedule(train: TrainConfig, peak: float | None = None) -> optax.Schedu
     peak: the group's peak learning rate; default `train.lr` (the AdamW group).
 
   Returns:
-    A schedule: updates already applied (int) -> learning rate (float32 []). 0 -> `peak`
-    linearly over `warmup_steps`, then "cosine" to `peak * min_lr_ratio` at `num_steps`, or
-    "wsd" constant until the last `wsd_decay_steps(train)` steps and then down to
-    `peak * min_lr_ratio` at `num_steps`; constant after `num_steps`.
+    A schedule: steps done before an update (int, the TrainState's `step`, which optax's
+    `count` equals, see `update_or_skip`) -> that update's learning rate (float32 []). The
+    shape f(k) of update k = step + 1: 0 -> `peak` linearly over `warmup_steps` (f(k) =
+    peak * k / warmup_steps), then "cosine" to `peak * min_lr_ratio` at k = `num_steps`, or
+    "wsd" constant until the last `wsd_decay_steps(train)` updates, which fall linearly (or
+    as 1 - sqrt) to `peak * min_lr_ratio` at k = `num_steps`; constant after `num_steps`.
   """
+  shape = _schedule_shape(train, peak)
+  return lambda step: shape(step + 1)
+
+
+def _schedule_shape(train: TrainConfig, peak: float | None) -> optax.Schedule:
+  """f(k) of `make_schedule`, in optax's convention: f(0) = 0, f(num_steps) = the end."""
   peak = train.lr if peak is None else peak
   end = peak * train.min_lr_ratio
   if train.schedule == "cosine":
@@ -111,6 +130,45 @@ def make_schedule(train: TrainConfig, peak: float | None = None) -> optax.Schedu
 def wsd_decay_steps(train: TrainConfig) -> int:
   """Steps of the "wsd" decay phase: `round(decay_fraction * num_steps)`."""
   return int(round(train.decay_fraction * train.num_steps))
+
+
+def update_or_skip(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any,
+                   step: jax.Array, finite: jax.Array) -> tuple[Any, Any]:
+  """One optimizer update, or a skipped one, with optax's step counters tied to `step`.
+
+  Every `count` field of the optax state (Adam's and Muon's bias-correction counters, the
+  learning-rate schedules' counters) is set to `step` before the update, so the update uses
+  `schedule(step)` and bias corrections for `step + 1` updates, and leaves them at `step + 1`
+  also when the update is skipped: moments and parameters then keep their old values (the
+  non-finite gradient never reaches them), the counters still advance with the step. A
+  state whose counters lag its step (skips in a checkpoint written before this rule) is
+  realigned by its first update.
+
+  Args:
+    tx: the optimizer (`make_optimizer`).
+    grads, params: gradient and parameter trees (float32, same structure).
+    opt_state: `tx`'s state over `params`.
+    step: int32 [], updates done before this one (the TrainState's `step`).
+    finite: bool [], False to skip the update.
+
+  Returns:
+    `(params, opt_state)` after the update, or the inputs (counters advanced) if skipped.
+  """
+  def set_counts(state, value):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(value, x.dtype) if _is_count(path) else x, state)
+
+  opt_state = set_counts(opt_state, step)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  return (keep_if_bad(new_params, params),
+          set_counts(keep_if_bad(new_opt_state, opt_state), step + 1))
+
+
+def _is_count(path) -> bool:
+  """True for an optax state's step counter (the `count` field of its NamedTuples)."""
+  return bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "count"
 
 
 # --- parameter groups ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from flax import nnx
 
 from zaya_jax.config import BalanceConfig
 from zaya_jax.train import balance as balance_lib
+from zaya_jax.train.optim import update_or_skip
 from zaya_jax.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -267,8 +268,8 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   """One optimizer update on the mean next-token loss; gradients w.r.t. `state.params` only.
 
   An update whose loss or gradient norm is not finite is skipped: parameters, optimizer
-  state, balancing biases and controller state stay as they were, `step` still advances (the
-  batch is consumed), `skipped_steps` and `consecutive_skips` count it (the loop rolls back
+  moments, balancing biases and controller state stay as they were, `step` and optax's
+  counters still advance (the batch is consumed; the schedule follows the step), `skipped_steps` and `consecutive_skips` count it (the loop rolls back
   after too many in a row).
 
   Args:
@@ -313,14 +314,13 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       balance_state = balance_lib.init_balance_state(*counts_LX.shape)
     model_state, balance_state = balance_lib.update_model_state(
         cfg, state.model_state, balance_state, jax.lax.stop_gradient(counts_LX), finite)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  # Skipped: params and moments kept, optax's counters advance with the step (optim.py).
+  params, opt_state = update_or_skip(tx, grads, state.opt_state, state.params, state.step, finite)
   skipped = (~finite).astype(jnp.int32)
   new_state = state.replace(
       step=state.step + 1,
-      params=keep_if_bad(params, state.params),
-      opt_state=keep_if_bad(opt_state, state.opt_state),
+      params=params,
+      opt_state=opt_state,
       skipped_steps=state.skipped_steps + skipped,
       consecutive_skips=(state.consecutive_skips + 1) * skipped,
       model_state=model_state,
