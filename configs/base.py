@@ -69,6 +69,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.num_workers = 0  # grain worker processes; 0 = read in the training process
   d.add_bos = True  # prepend bos_token_id to every document
   d.add_eos = True  # append eos_token_id to every document
+  d.bad_records = "error"  # a .jsonl line that is not a record with text: "error" (stop, naming file:line) | "skip" (warn, leave it out)
 
   # --- train --------------------------------------------------------------------------------
   t = config.train = ml_collections.ConfigDict()

@@ -302,6 +302,31 @@ def test_grain_checkpoint_save_restore(tmp_path):
   _assert_same(_take(restored, 5), expected)
 
 
+@pytest.mark.parametrize("new_len", [64, 16, 48])
+def test_position_carries_over_a_seq_len_change(tmp_path, new_len):
+  """A state saved at T=32 and restored at another T continues at the very next token
+  (issue 14: at T=64 it skipped 32 tokens, at T=16 repeated 16). Training rows have no
+  padding, so the flattened rows are the token stream itself, which must not depend on T."""
+  pattern, _ = _write_txt_corpus(tmp_path, [150, 7, 90, 200, 33, 120, 64, 180, 11])
+  cfg = data.DataConfig(source=pattern, eval_fraction=0.0)
+  make = lambda t: data.make_train_iterator(cfg, seq_len=t, batch_size=2, seed=3)
+  stream = lambda batches, key: np.concatenate([b[key].reshape(-1) for b in batches])
+  straight = _take(make(32), 20)
+  it = make(32)
+  _take(it, 5)  # 320 tokens
+  state = json.loads(json.dumps(it.get_state()))  # as grain.checkpoint stores it
+  assert state["elements_from_buffer_after_checkpoint"] > 0  # mid-document: rows to convert
+  resumed = make(new_len)
+  resumed.saved_seq_len = 32
+  resumed.set_state(state)
+  after = _take(resumed, 4)
+  for key in ("inputs", "targets"):
+    want = stream(straight, key)[320:320 + 4 * 2 * new_len]
+    np.testing.assert_array_equal(stream(after, key), want, err_msg=key)
+  for batch in after:
+    _check_batch_invariants(batch, 2, new_len)
+
+
 def test_worker_processes_resume_exactly(tmp_path):
   flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags (absl.app.run does this)
   pattern, _ = _write_txt_corpus(tmp_path, [12, 40, 7, 25, 60, 9, 33])
@@ -354,6 +379,24 @@ def test_json_and_mixed_sources(tmp_path):
   }
 
 
+def test_every_jsonl_record_is_checked_at_listing(tmp_path, caplog):
+  """A bad line 61 fails when the corpus is listed, naming file:line (issue 14: it killed a
+  run at step 35); with data.bad_records='skip' it is left out, with a warning."""
+  path = tmp_path / "corpus.jsonl"
+  lines = [json.dumps({"text": f"document {i}"}) for i in range(70)]
+  lines[60] = "this is not json"
+  lines[65] = json.dumps({"body": "no text field"})
+  path.write_text("\n".join(lines) + "\n")
+  with pytest.raises(ValueError, match=rf"data\.source: {path}:61 is not valid JSON.*"
+                                       r"data\.bad_records='skip'"):
+    sources.list_documents(data.DataConfig(source=str(path)))
+  with caplog.at_level("WARNING"):
+    refs = sources.list_documents(data.DataConfig(source=str(path), bad_records="skip"))
+  assert [r.doc_id for r in refs] == [f"{path}:{i}" for i in range(1, 71) if i not in (61, 66)]
+  assert f"left out 2 bad record(s) of {path}" in caplog.text
+  assert f"{path}:61, {path}:66" in caplog.text
+
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -389,6 +432,8 @@ def test_errors_name_the_field(tmp_path):
          seq_len=8, batch_size=1, max_batches=1)
   raises(r"data\.eval_fraction=1\.5", data.DataConfig, eval_fraction=1.5)
   raises(r"data\.num_workers=-1", data.DataConfig, num_workers=-1)
+  raises(r"data\.bad_records='drop' must be 'error'.*or 'skip'", data.DataConfig,
+         bad_records="drop")
   raises(r"fewer than process_count=3", data.make_train_iterator,
          data.DataConfig(source=f"{tmp_path}/b.jsonl", eval_fraction=0.0),
          seq_len=8, batch_size=1, seed=0, process_index=2, process_count=3)

@@ -34,6 +34,10 @@ class DataConfig:
   num_workers: int = 0  # grain worker processes; 0 = read and tokenize in-process
   add_bos: bool = True  # prepend the tokenizer's bos_id to every document
   add_eos: bool = True  # append the tokenizer's eos_id to every document
+  # A .jsonl line that is not a JSON record holding a string under `text_field`, found when
+  # the corpus is listed: "error" stops before training, naming file:line; "skip" leaves it
+  # out and warns with the count and the first few file:line.
+  bad_records: str = "error"
 
   def __post_init__(self):
     if not self.source.strip():
@@ -49,6 +53,11 @@ class DataConfig:
       raise ValueError(
           f"data.eval_fraction={self.eval_fraction} must be in [0, 1); e.g. 0.02 holds out "
           "2% of the documents."
+      )
+    if self.bad_records not in ("error", "skip"):
+      raise ValueError(
+          f"data.bad_records={self.bad_records!r} must be 'error' (stop, naming file:line) or "
+          "'skip' (leave bad .jsonl lines out, with a warning)."
       )
     if self.num_workers < 0:
       raise ValueError(

@@ -22,7 +22,8 @@ How documents become rows:
     is still the true next token).
   * Training repeats forever; each epoch is reshuffled (grain folds the epoch into the
     shuffle seed). The iterator state is a few integers: restoring replays at most one
-    partially packed row, so resume is exact and cheap.
+    partially packed row, so resume is exact and cheap, also when T changes
+    (`PackedIterator`, `carry_position`).
 """
 
 from __future__ import annotations
@@ -107,8 +108,28 @@ def _slices_as_tuples(state):
   return state
 
 
-class _JsonSafeStateIterator(grain.DatasetIterator):
-  """Passes elements and state through; repairs JSON-restored state (`_slices_as_tuples`)."""
+class PackedIterator(grain.DatasetIterator):
+  """The training iterator: passes batches through; its state is grain's packing state.
+
+  The state (grain 0.2.18's ConcatThenSplit) is the parent position and token slice of the
+  document being packed at the last moment the row buffer was empty, plus the number of rows
+  emitted since: rows of the writing run's T. `saved_seq_len` (set by the checkpointer from
+  the saved config before a restore) names that T; when it differs from this iterator's,
+  `set_state` converts the position to the same document token (`carry_position`), so a
+  `train.seq_len` change on resume neither skips nor repeats tokens. `set_state` also repairs
+  the JSON round trip of the slices (`_slices_as_tuples`).
+
+  Attributes:
+    seq_len: T of the rows this iterator yields.
+    saved_seq_len: T the next `set_state` state counts in; None = `seq_len`.
+  """
+
+  def __init__(self, parent: grain.DatasetIterator, seq_len: int,
+               tokens: grain.MapDataset | None):
+    super().__init__(parent)
+    self.seq_len = seq_len
+    self.saved_seq_len: int | None = None
+    self._tokens = tokens  # documents in packing order (None: built in worker processes)
 
   def __next__(self):
     return next(self._parent)
@@ -117,7 +138,52 @@ class _JsonSafeStateIterator(grain.DatasetIterator):
     return self._parent.get_state()
 
   def set_state(self, state):
-    self._parent.set_state(_slices_as_tuples(state))
+    state = _slices_as_tuples(state)
+    saved = self.saved_seq_len or self.seq_len
+    if saved != self.seq_len:
+      if self._tokens is None:
+        raise ValueError(f"cannot convert a data position from rows of {saved} tokens to "
+                         f"{self.seq_len} with data.num_workers > 0")
+      state = carry_position(state, saved, self.seq_len, self._document_length)
+    self._parent.set_state(state)
+
+  def _document_length(self, index: int) -> int:
+    features = self._tokens[index]
+    return 0 if features is None else len(features["inputs"])
+
+
+def carry_position(state: dict, saved_seq_len: int, seq_len: int, document_length) -> dict:
+  """A packing state counted in rows of `saved_seq_len` tokens -> the same token position,
+  expressed so that rows of `seq_len` tokens start there.
+
+  The saved position is `elements_from_buffer_after_checkpoint` rows of `saved_seq_len`
+  tokens after the start of the remainder slice (or of document `next_index`, without a
+  remainder). Walking that many tokens through the documents gives the document and token
+  offset of the next unread token; the result is a state whose remainder is that document
+  from that token on, with no rows to replay.
+
+  Args:
+    state: the iterator state (in-process pipeline: parent state `{"next_index": i}`).
+    saved_seq_len, seq_len: T of the saved rows and of the rows to come.
+    document_length: index in the packing order -> tokens of that document's `inputs`
+      (0 for a document the tokenizer dropped).
+
+  Returns:
+    The converted state (a new dict).
+  """
+  skip = int(state["elements_from_buffer_after_checkpoint"]) * saved_seq_len
+  index = int(state["parent_state"]["next_index"])
+  slices = state["remainder_slices"]
+  start, stop = slices["inputs"]
+  if (start, stop) == (-1, -1):  # no remainder: the stream starts at document `index`
+    start, stop = 0, document_length(index)
+  while skip >= stop - start:
+    skip -= stop - start
+    index += 1
+    start, stop = 0, document_length(index)
+  return {"parent_state": {**state["parent_state"], "next_index": index},
+          "remainder_slices": {key: (start + skip, stop) for key in slices},
+          "elements_from_buffer_after_checkpoint": 0}
 
 
 def _split_for_process(
@@ -144,19 +210,22 @@ def _split_for_process(
   return shard
 
 
+def _tokens(documents: grain.MapDataset, tokenizer: Tokenizer, cfg: DataConfig) -> grain.MapDataset:
+  """documents -> TokenizeDocument (random access: `carry_position` reads lengths from it)."""
+  return documents.map(TokenizeDocument(tokenizer, cfg.add_bos, cfg.add_eos))
+
+
 def _packed_batches(
-    documents: grain.MapDataset,
+    tokens: grain.MapDataset,
     tokenizer: Tokenizer,
-    cfg: DataConfig,
     *,
     seq_len: int,
     batch_size: int,
     drop_remainder: bool,
 ) -> grain.IterDataset:
-  """documents -> TokenizeDocument -> ConcatThenSplit(T) -> batch(B) -> FinalizeBatch."""
+  """tokenized documents -> ConcatThenSplit(T) -> batch(B) -> FinalizeBatch."""
   if seq_len < 1 or batch_size < 1:
     raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must both be >= 1.")
-  tokens = documents.map(TokenizeDocument(tokenizer, cfg.add_bos, cfg.add_eos))
   rows = grain.experimental.ConcatThenSplitIterDataset(
       tokens.to_iter_dataset(_READ_OPTIONS),
       length_struct={"inputs": seq_len, "targets": seq_len},
@@ -187,9 +256,10 @@ def make_train_iterator(
       disjoint documents.
 
   Returns:
-    A grain `DatasetIterator` yielding dicts of [B, T] numpy arrays (module docstring).
+    A `PackedIterator` yielding dicts of [B, T] numpy arrays (module docstring).
     `it.get_state()` / `it.set_state(state)` and `grain.checkpoint.CheckpointSave(it)` /
-    `CheckpointRestore(it)` resume exactly. With cfg.num_workers > 0 batches are built in
+    `CheckpointRestore(it)` resume exactly, also from a state of rows of another T
+    (`PackedIterator.saved_seq_len`, in-process reading only). With cfg.num_workers > 0 batches are built in
     that many worker processes (a different, equally deterministic order than in-process).
 
   Raises:
@@ -206,8 +276,9 @@ def make_train_iterator(
       .shuffle()
       .repeat(None)  # infinite; each epoch reshuffled
   )
+  tokens = _tokens(documents, tokenizer, cfg)
   batches = _packed_batches(
-      documents, tokenizer, cfg, seq_len=seq_len, batch_size=batch_size, drop_remainder=True
+      tokens, tokenizer, seq_len=seq_len, batch_size=batch_size, drop_remainder=True
   )
   if cfg.num_workers > 0:
     if not flags.FLAGS.is_parsed():  # grain reads its absl flags in the worker processes.
@@ -217,7 +288,8 @@ def make_train_iterator(
           "data.num_workers=0."
       )
     batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
-  return _JsonSafeStateIterator(iter(batches))
+    tokens = None  # the workers' state is per worker: no position conversion
+  return PackedIterator(iter(batches), seq_len, tokens)
 
 
 def make_eval_batches(
@@ -251,7 +323,8 @@ def make_eval_batches(
   documents = grain.MapDataset.source(sources.DocumentSource(refs, cfg.text_field))
   batches = []
   for batch in _packed_batches(
-      documents, tokenizer, cfg, seq_len=seq_len, batch_size=batch_size, drop_remainder=False
+      _tokens(documents, tokenizer, cfg), tokenizer, seq_len=seq_len, batch_size=batch_size,
+      drop_remainder=False,
   ):
     batches.append(_pad_rows(batch, batch_size, tokenizer.pad_id))
     if len(batches) == max_batches:

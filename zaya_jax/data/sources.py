@@ -18,11 +18,14 @@ import pathlib
 import sysconfig
 from typing import NamedTuple
 
+from absl import logging
+
 from zaya_jax.data.config import DataConfig
 
 SUFFIXES = (".txt", ".jsonl", ".json")
 _GLOB_CHARS = frozenset("*?[")
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_BAD_RECORDS_SHOWN = 5  # file:line of the first few skipped .jsonl records in the warning
 
 
 class DocumentRef(NamedTuple):
@@ -100,17 +103,35 @@ def _expand(pattern: str) -> list[str]:
   return paths
 
 
-def _jsonl_documents(path: str, field: str) -> list[DocumentRef]:
-  """One ref per non-blank line; the first line is parsed to fail early on a bad field."""
-  refs = []
+def _jsonl_documents(path: str, field: str, bad_records: str) -> list[DocumentRef]:
+  """One ref per non-blank line. Every line is parsed here, while its offset is taken, so a
+  malformed record fails (or, with `bad_records="skip"`, is left out with a warning) before
+  training starts rather than when grain reaches it mid-run.
+
+  Raises:
+    ValueError: naming `path:line` and the fix, for a line that is not JSON or lacks a
+      string under `field` (unless `bad_records="skip"`).
+  """
+  refs, bad = [], []
   with open(path, "rb") as f:
     offset = 0
     for line_number, line in enumerate(f, 1):
       if line.strip():
-        refs.append(DocumentRef(doc_id=f"{path}:{line_number}", path=path, offset=offset))
+        ref = DocumentRef(doc_id=f"{path}:{line_number}", path=path, offset=offset)
+        try:
+          _record_text(line, field, ref.doc_id)
+          refs.append(ref)
+        except ValueError as e:
+          if bad_records != "skip":
+            raise ValueError(f"{e} Fix or remove the line, or set data.bad_records='skip' to "
+                             "leave bad records out.") from e
+          bad.append(ref.doc_id)
       offset += len(line)
-  if refs:
-    read_document(refs[0], field)
+  if bad:
+    logging.warning("data.bad_records='skip': left out %d bad record(s) of %s (not JSON, or no "
+                    "string under data.text_field=%r): %s%s", len(bad), path, field,
+                    ", ".join(bad[:_BAD_RECORDS_SHOWN]),
+                    " ..." if len(bad) > _BAD_RECORDS_SHOWN else "")
   return refs
 
 
@@ -152,7 +173,7 @@ def list_documents(cfg: DataConfig) -> list[DocumentRef]:
         continue
       seen.add(path)
       if path.endswith(".jsonl"):
-        refs.extend(_jsonl_documents(path, cfg.text_field))
+        refs.extend(_jsonl_documents(path, cfg.text_field, cfg.bad_records))
       elif path.endswith(".json"):
         refs.extend(_json_documents(path, cfg.text_field))
       elif os.path.getsize(path) > 0:  # .txt: one document per non-empty file.
@@ -176,11 +197,16 @@ def read_document(ref: DocumentRef, text_field: str) -> str:
   with open(ref.path, "rb") as f:
     f.seek(ref.offset)
     line = f.readline()
+  return _record_text(line, text_field, ref.doc_id)
+
+
+def _record_text(line: bytes, field: str, where: str) -> str:
+  """The text of one .jsonl line; ValueError naming `where` (path:line) if it has none."""
   try:
     record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"data.source: line {ref.doc_id} is not valid JSON: {e}") from e
-  return _text_of(record, field=text_field, where=ref.doc_id)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"data.source: {where} is not valid JSON ({e}).") from e
+  return _text_of(record, field=field, where=where)
 
 
 def eval_score(doc_id: str) -> float:
