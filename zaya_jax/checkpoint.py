@@ -213,6 +213,31 @@ def _saved_process_count(saved_config: dict[str, Any], data_dir: str) -> int | N
   return None
 
 
+def _data_restart_reason(saved: dict[str, Any], config: RunConfig, data_dir: str,
+                         data_iter: Any) -> str | None:
+  """Why a checkpoint's data position cannot be applied to `data_iter`, or None if it can.
+
+  Positions are per process (`[process_index::process_count]` documents) and per grain
+  pipeline: worker processes (`data.num_workers`) pack in another order, and a workers'
+  position is not converted to another `train.seq_len` (the in-process one is, see
+  `zaya_jax.data.pipeline.PackedIterator`).
+  """
+  saved_count = _saved_process_count(saved, data_dir)
+  if saved_count is not None and saved_count != jax.process_count():
+    return (f"it was written by {saved_count} process(es) and this run has "
+            f"{jax.process_count()}: each saved position covers other documents")
+  saved_workers = saved.get("data", {}).get("num_workers", 0)
+  if saved_workers != config.data.num_workers:
+    return (f"data.num_workers changed {saved_workers} -> {config.data.num_workers} (each "
+            "worker count reads the documents in its own order)")
+  saved_len = saved.get("train", {}).get("seq_len", config.train.seq_len)
+  if saved_len != config.train.seq_len and (
+      config.data.num_workers or not hasattr(data_iter, "saved_seq_len")):
+    return (f"train.seq_len changed {saved_len} -> {config.train.seq_len} and the position of "
+            f"a pipeline with data.num_workers={config.data.num_workers} cannot be converted")
+  return None
+
+
 def saved_model_config(saved: dict[str, Any]) -> ModelConfig:
   """The ModelConfig of a saved RunConfig dict (fields unknown to this code are dropped)."""
   names = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -304,9 +329,11 @@ class Checkpointer:
       abstract_state: TrainState of `jax.ShapeDtypeStruct` leaves carrying the target
         sharding (see `with_sharding`).
       data_iter: a fresh iterator of the same data config, whose position is restored in
-        place; None restores everything but the data position (a rollback that keeps
-        reading forward). A checkpoint written by another process count leaves it
-        untouched (warned; `restore_latest` reports it).
+        place (converted to the same token if `train.seq_len` changed); None restores
+        everything but the data position (a rollback that keeps reading forward). A
+        checkpoint written by another process count or `data.num_workers` leaves it
+        untouched (warned; `restore_latest` reports it): a run-shape change, never
+        reported as corruption.
       config: the current run's config. Its `model` group must equal the saved one, except
         for compute-only fields (`COMPUTE_ONLY_MODEL_FIELDS`, e.g. dtype, remat).
 
@@ -422,7 +449,7 @@ class Checkpointer:
     if reshape.get("param_dtype") not in (None, "float32"):
       logging.warning("checkpoint %s holds parameters cast to %s by launch.reshape_checkpoint: "
                       "training resumes from the rounded values", path, reshape["param_dtype"])
-    data_diffs = config_differences(saved, config, "data")
+    data_diffs = config_differences(saved, config, "data", ignore=("num_workers",))
     if data_diffs:
       logging.warning("resuming %s with a different data config (%s): the saved iterator "
                       "position is applied to the new data", path, "; ".join(data_diffs))
@@ -479,19 +506,29 @@ class Checkpointer:
 
     data_restored = False
     if data_iter is not None:
-      data_dir = os.path.join(path, "data_iter")
-      saved_count = _saved_process_count(saved, data_dir)
       if "data_iter" not in items:
         raise CorruptCheckpointError(f"checkpoint {path} lacks its data_iter item")
-      if saved_count is not None and saved_count != jax.process_count():
-        logging.warning(
-            "checkpoint %s was written by %d process(es) and this run has %d: each saved data "
-            "position covers other documents ([process_index::process_count]), so they are not "
-            "applied and the data order restarts", path, saved_count, jax.process_count())
+      restart = _data_restart_reason(saved, config, os.path.join(path, "data_iter"), data_iter)
+      if restart:  # a run-shape change, not corruption: everything else resumes
+        logging.warning("checkpoint %s: %s, so the saved data position is not applied: the "
+                        "model, optimizer and step resume, and the data order restarts (a new "
+                        "shuffle)", path, restart)
       else:
-        self._phase(lambda: self._manager.restore(step, args=ocp.args.Composite(
-            data_iter=grain.checkpoint.CheckpointRestore(data_iter))),
-                    f"cannot read the data iterator position of checkpoint {path}")
+        saved_len = saved.get("train", {}).get("seq_len", config.train.seq_len)
+        if saved_len != config.train.seq_len:
+          logging.warning("checkpoint %s: train.seq_len %d -> %d; the data position is carried "
+                          "over to the same token (rows are cut at the new length from there)",
+                          path, saved_len, config.train.seq_len)
+        convertible = hasattr(data_iter, "saved_seq_len")  # zaya_jax.data's PackedIterator
+        if convertible:
+          data_iter.saved_seq_len = saved_len
+        try:
+          self._phase(lambda: self._manager.restore(step, args=ocp.args.Composite(
+              data_iter=grain.checkpoint.CheckpointRestore(data_iter))),
+                      f"cannot read the data iterator position of checkpoint {path}")
+        finally:
+          if convertible:
+            data_iter.saved_seq_len = None
         data_restored = True
 
     tm = out.train_meta
