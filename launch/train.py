@@ -23,6 +23,7 @@ from zaya_jax import distributed
 from zaya_jax.checkpoint import CorruptCheckpointError
 from zaya_jax.config import ConfigError
 from zaya_jax.train import run
+from zaya_jax.train.loop import TrainingError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
@@ -64,6 +65,10 @@ def main(argv):
         initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT.value)
   except ValueError as e:  # Inconsistent multi-process flags: one line, no traceback.
     sys.exit(f"invalid flags: {e}")
+  try:
+    distributed.check_backend()
+  except ValueError as e:  # e.g. JAX_PLATFORMS=rocm with the CPU-only jaxlib
+    sys.exit(str(e))
   if jax.process_index() == 0:
     logging.info("%s: %s", f"distributed ({method})" if method else "single process", distributed.describe())
     logging.info("config:\n%s", _CONFIG.value)
@@ -73,6 +78,8 @@ def main(argv):
     sys.exit(f"invalid config: {e}")
   except CorruptCheckpointError as e:  # No checkpoint in --workdir reads back intact.
     sys.exit(f"cannot resume: {e}")
+  except TrainingError as e:  # e.g. a bad record mid-run, after a checkpoint of the last step
+    sys.exit(f"training stopped: {e}")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 
 `StopSignals` turns SIGTERM (SLURM/Kubernetes preemption) and SIGINT (Ctrl-C) into a flag
 the loop polls after each step, so it can write a checkpoint and exit 0 instead of dying
-mid-step; a second SIGINT interrupts at once. In a multi-process run `any_process` makes
-every process agree on the step at which to stop (one host may get the signal first).
+mid-step; a second SIGINT kills the process at once (the default action, installed by the
+first signal, so it works inside a compilation or any other C++ call, where no Python
+handler runs until the call returns). In a multi-process run `any_process` makes every
+process agree on the step at which to stop (one host may get the signal first).
 
-`Watchdog` bounds the wall time of each guarded region (a train step, an evaluation, a
-save). A region that overruns — typically a collective waiting forever for a dead or hung
-host — gets every Python thread's stack printed to stderr and the process exits with
-`Watchdog.EXIT_CODE`, so the job scheduler restarts it and the run resumes from its last
-checkpoint.
+`Watchdog` bounds the wall time of each guarded region (a train step, its metrics fetch, an
+evaluation, a save, a restore, the stop-signal agreement). A region that overruns —
+typically a collective waiting forever for a dead or hung host — gets every Python thread's
+stack printed to stderr and the process exits with `Watchdog.EXIT_CODE`, so the job
+scheduler restarts it and the run resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ class StopSignals:
     if self.received is None:
       self.received = signal.Signals(signum).name
       print(f"received {self.received}: finishing the current step, then writing a checkpoint "
-            "and exiting (send SIGINT again to abort at once)", file=sys.stderr, flush=True)
-      if signum == signal.SIGINT:  # A second Ctrl-C interrupts without saving.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+            "and exiting (Ctrl-C / SIGINT again aborts at once, without a checkpoint)",
+            file=sys.stderr, flush=True)
+      # A second Ctrl-C terminates the process by the default action: at once, also during
+      # a compilation (a Python handler, or KeyboardInterrupt, would wait for it to return and
+      # then unwind through XLA's and Orbax's threads, which crashed the interpreter).
+      signal.signal(signal.SIGINT, signal.SIG_DFL)
 
   def __enter__(self) -> StopSignals:
     if threading.current_thread() is threading.main_thread():  # signal() only works there
@@ -92,6 +97,7 @@ class Watchdog:
   def __init__(self, timeout_s: float, grace_s: float = 30.0):
     self.timeout_s = float(timeout_s)
     self.grace_s = float(grace_s)
+    self._timer: threading.Timer | None = None
 
   def _fire(self, what: str) -> None:
     sys.stderr.write(f"\nwatchdog: {what} did not finish within train.step_timeout_s="
@@ -105,18 +111,30 @@ class Watchdog:
     sys.stderr.flush()
     os._exit(self.EXIT_CODE)  # pylint: disable=protected-access
 
+  def arm(self, what: str) -> None:
+    """Starts the timeout for a region named `what`, replacing any armed one (so
+    consecutive regions need no disarm between them). No-op when disabled."""
+    self.disarm()
+    if not self.timeout_s:
+      return
+    self._timer = threading.Timer(self.timeout_s, self._fire, args=(what,))
+    self._timer.daemon = True
+    self._timer.start()
+    faulthandler.dump_traceback_later(self.timeout_s + self.grace_s, exit=True)
+
+  def disarm(self) -> None:
+    """Cancels the armed timeout, if any."""
+    timer, self._timer = self._timer, None
+    if timer is not None:
+      timer.cancel()
+      faulthandler.cancel_dump_traceback_later()
+
   @contextlib.contextmanager
   def guard(self, what: str) -> Iterator[None]:
-    """Runs the body under the timeout; `what` names the region in the message."""
-    if not self.timeout_s:
-      yield
-      return
-    timer = threading.Timer(self.timeout_s, self._fire, args=(what,))
-    timer.daemon = True
-    timer.start()
-    faulthandler.dump_traceback_later(self.timeout_s + self.grace_s, exit=True)
+    """Runs the body under the timeout (`arm`, then `disarm`); `what` names the region in the
+    message. Guards do not nest: an inner one disarms the outer."""
+    self.arm(what)
     try:
       yield
     finally:
-      timer.cancel()
-      faulthandler.cancel_dump_traceback_later()
+      self.disarm()

@@ -10,11 +10,15 @@ run continues bit-for-bit on CPU. Outputs in `workdir`:
 
 Fault tolerance (README "Fault tolerance"): the newest checkpoint that reads back intact is
 used (`Checkpointer.restore_latest`); SIGTERM/SIGINT end the run after the current step with a
-checkpoint (`StopSignals`); an update with a non-finite loss or gradient is skipped, and
-`train.max_consecutive_skips` of them in a row restore the last checkpoint while the data
-iterator keeps going (past the offending batches); `train.step_timeout_s` arms a `Watchdog`
-around every step, evaluation and save. The loop reads each update's skip flags one step
-late, so the host never waits for the step it just dispatched.
+checkpoint (`StopSignals`), except during this run's first step (then nothing is saved, so an
+interrupted first compile leaves no checkpoint); an update with a non-finite loss or gradient
+is skipped, and `train.max_consecutive_skips` of them in a row restore the last checkpoint
+while the data iterator keeps going (past the offending batches); `train.step_timeout_s` arms
+a `Watchdog` around every call that can block the host after the first step (data fetch and
+step, metrics fetch, evaluation, save, restore, the stop-signal agreement); an exception in
+the loop that leaves the train state intact (a bad batch, an I/O error, a failed evaluation)
+first checkpoints the last completed step (single-process runs). The loop reads each update's
+skip flags one step late, so the host never waits for the step it just dispatched.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ from zaya_jax.train.step import BALANCE_PER_LAYER, BALANCE_SCALARS, expert_load,
 
 # A run that goes non-finite again after this many rollbacks to one checkpoint stops.
 MAX_ROLLBACKS_PER_CHECKPOINT = 3
+
+
+class TrainingError(RuntimeError):
+  """Training stopped on an error outside the model (e.g. the data); the message names the
+  cause, the checkpoint written and how to resume (launch.train prints it as one line)."""
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -79,6 +88,18 @@ def evaluate(eval_step, state: TrainState, batches: list[dict[str, jax.Array]]) 
           "expert_load": np.asarray(expert_load(np.asarray(counts_LX))).tolist()}
 
 
+class _DataError(Exception):
+  """Raised from the data iterator (the cause): an error of the data, not of training."""
+
+
+def _next_batch(data_iter) -> dict[str, np.ndarray]:
+  """`next(data_iter)`, with any error wrapped in `_DataError`."""
+  try:
+    return next(data_iter)
+  except Exception as e:
+    raise _DataError(str(e)) from e
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   """Trains the model described by `config`, resuming from `workdir` if it holds checkpoints.
 
@@ -92,6 +113,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   Raises:
     zaya_jax.config.ConfigError: for an invalid config (naming the field).
     ValueError: for a checkpoint that does not match the config or cannot be read.
+    TrainingError: reading the data failed mid-run (after a checkpoint of the last step).
+    Any exception of the loop, after a checkpoint of the last completed step (if the train
+    state survived it; single-process runs).
   """
   quiet_library_logs()
   cfg: RunConfig = resolve(config, process_count=jax.process_count())
@@ -105,12 +129,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
                        batch_size=train.batch_size, grad_accum_steps=train.grad_accum_steps)
   except ValueError as e:
     raise ConfigError(str(e)) from e
-  with use_mesh(mesh):
-    return _train(cfg, workdir, mesh, is_main)
+  # Signals are taken over before anything slow starts: a stop before or during the first
+  # step ends the run after it, without a checkpoint.
+  with use_mesh(mesh), StopSignals() as stop:
+    return _train(cfg, workdir, mesh, is_main, stop)
 
 
-def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool) -> TrainState:
-  """The training loop of `run`, inside the mesh context."""
+def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
+           stop: StopSignals) -> TrainState:
+  """The training loop of `run`, inside the mesh context, with `stop` installed."""
   train = cfg.train
   built = setup_training(cfg.model, train, mesh, cfg.balance,
                          fault_injection=bool(train.inject_nan_at_steps))
@@ -135,7 +162,9 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
   os.makedirs(workdir, exist_ok=True)  # only once the config and the data are known to be good
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
   target = abstract_with_shardings(abstract_state, state_sharding)
-  restored = ckpt.restore_latest(target, data_iter, cfg)
+  watchdog = Watchdog(train.step_timeout_s)
+  with watchdog.guard("restoring the newest checkpoint"):  # reads and collectives
+    restored = ckpt.restore_latest(target, data_iter, cfg)
   if restored is None:
     state, latest = init_train_state(cfg.model, tx, train.seed, mesh), None
   else:
@@ -163,10 +192,13 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
 
   poisoned: set[int] = set()  # injected steps: once each per process, so a rollback moves past them
   eval_step = make_eval_step(graphdef, state_sharding, data_sharding)
-  metrics_out = MetricsWriter(metrics_path, enabled=is_main, resume_step=latest)  # drops records > latest
+  if eval_batches:  # compiled now, so that every evaluation can run under the watchdog
+    eval_step = eval_step.lower(target, eval_batches[0]).compile()
+  # Drops records > latest (> 0 for a fresh start: those of an attempt that left no checkpoint).
+  metrics_out = MetricsWriter(metrics_path, enabled=is_main,
+                              resume_step=0 if latest is None else latest)
   tokens_per_step = train.batch_size * train.seq_len
   saved_step = latest
-  watchdog = Watchdog(train.step_timeout_s)
   evals_run = 0
   rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
 
@@ -174,7 +206,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
     nonlocal evals_run
     if not eval_batches:
       return
-    with watchdog.guard(f"evaluation at step {step}") if evals_run else contextlib.nullcontext():
+    with watchdog.guard(f"evaluation at step {step}"):
       record = {"kind": "eval", "step": step, **evaluate(eval_step, state, eval_batches)}
     evals_run += 1
     metrics_out.write(record)
@@ -228,16 +260,54 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
     return bool(train.max_consecutive_skips and
                 flags["consecutive_skips"] >= train.max_consecutive_skips)
 
+  @contextlib.contextmanager
+  def checkpoint_on_error():
+    """On an exception in the loop, checkpoints the last completed step if the train state
+    is intact (its buffers not donated to a failed step), then re-raises; an error reading
+    the data becomes a one-line TrainingError."""
+    nonlocal saved_step
+    try:
+      yield
+    except Exception as e:  # KeyboardInterrupt (a second Ctrl-C) is not caught: no save
+      intact = not any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+      written = None
+      if (isinstance(e, FloatingPointError) or not intact or not steps_this_run
+          or int(state.step) == saved_step):
+        pass  # a diverged run, a state lost with the failed step, nothing new, or saved already
+      elif jax.process_count() > 1:  # the others are in the next collective: no joint save
+        logging.error("no checkpoint of step %d: an error on one of %d processes cannot be "
+                      "agreed on; the newest checkpoint is %s", int(state.step),
+                      jax.process_count(), saved_step)
+      else:
+        try:
+          saved_step = written = save()
+          with watchdog.guard("writing the checkpoint after an error"):
+            ckpt.wait()
+          logging.error("error at step %d: %s; checkpoint %d written to %s", step + 1,
+                        type(e).__name__, written, ckpt.directory)
+        except Exception as save_error:  # pylint: disable=broad-except
+          logging.error("could not checkpoint step %d after the error: %s", int(state.step),
+                        save_error)
+          written = None
+      if isinstance(e, _DataError):
+        where = (f"checkpoint {written} (the last completed step) is in {ckpt.directory}"
+                 if written is not None else f"the newest checkpoint is {saved_step}")
+        raise TrainingError(f"step {step + 1}: reading the next batch failed: {e.__cause__}; "
+                            f"{where}. Fix the data and rerun the same command to resume.") from e
+      raise
+    finally:
+      watchdog.disarm()
+
   steps_this_run = 0
   previous: dict[str, Any] | None = None  # the last update's metrics, checked one step late
   stop_reason = None
   window_start, window_steps = time.perf_counter(), 0
-  with StopSignals() as stop:
+  with checkpoint_on_error():
     while step < train.num_steps and not (
         train.max_steps_per_run and steps_this_run >= train.max_steps_per_run):
       guard = watchdog.guard(f"train step {step + 1}") if steps_this_run else contextlib.nullcontext()
       with guard:
-        batch = global_batch(next(data_iter), data_sharding)
+        batch = global_batch(_next_batch(data_iter), data_sharding)
         if train.inject_nan_at_steps:
           poison = step + 1 in train.inject_nan_at_steps and step + 1 not in poisoned
           if poison:
@@ -256,6 +326,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
           step, saved_step, previous = int(state.step), int(state.step), None
           continue
         previous = {**metrics, "step": step}
+      watchdog.arm(f"fetching the metrics of step {step}")  # the step's collectives finish here
       if step % train.log_every == 0 or step == train.num_steps:
         m = jax.device_get(metrics)
         elapsed = time.perf_counter() - window_start
@@ -282,22 +353,35 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool)
         run_eval()
       if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
         saved_step = save()
+      watchdog.arm(f"agreeing on stop signals after step {step}")  # a collective
       if stop.any_process():
         stop_reason = stop.received or "a stop signal on another process"
         break
+      watchdog.disarm()
 
+    watchdog.arm(f"reading the flags of step {step}")
     if check_previous(previous) and is_main:  # the last update's flags: log a skip, no rollback
       logging.warning("the run ends on %d consecutive skipped updates",
                       int(previous["consecutive_skips"]))
-    if steps_this_run and step == train.num_steps:
+    watchdog.disarm()
+    # A stop during this run's first step (typically its compilation) saves nothing: a fresh
+    # run leaves no checkpoint to pin its model config, a resumed one keeps its last.
+    first_step_stop = bool(stop_reason) and steps_this_run == 1
+    if steps_this_run and step == train.num_steps and not first_step_stop:
       run_eval()
-    if step != saved_step:
+    if step != saved_step and not first_step_stop:
       saved_step = save()
     with watchdog.guard("waiting for the last checkpoint to be written"):
       ckpt.close()  # Waits for asynchronous saves: the process may exit right after.
   metrics_out.close()
   if is_main:
-    if stop_reason:
+    if first_step_stop:
+      logging.warning("Stopped by %s during the first step of this run: nothing was saved; %s",
+                      stop_reason, f"checkpoint {saved_step} in {ckpt.directory} is unchanged. "
+                      "Rerun the same command to resume." if saved_step is not None else
+                      f"{workdir} holds no checkpoint, so the next run starts over (with any "
+                      "config).")
+    elif stop_reason:
       logging.warning("Stopped by %s at step %d/%d; checkpoint %d is in %s. Rerun the same "
                       "command to resume.", stop_reason, step, train.num_steps, saved_step,
                       ckpt.directory)
