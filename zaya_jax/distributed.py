@@ -30,6 +30,7 @@ Failure behaviour (so a broken job exits instead of hanging until the wall-clock
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -130,6 +131,37 @@ def maybe_initialize(coordinator_address: str | None = None,
       heartbeat_timeout_seconds=heartbeat_timeout_seconds,
       shutdown_timeout_seconds=shutdown_timeout_seconds)
   return method
+
+
+# What to install when JAX_PLATFORMS names a backend this jaxlib cannot start.
+BACKEND_FIXES = {
+    "rocm": "install the ROCm build of jaxlib: pip install -r launch/slurm/requirements-rocm.txt "
+            "(README \"Multi-host and SLURM\")",
+    "cuda": "install the CUDA build of jaxlib (pip install \"jax[cuda12]\" at the pinned version)",
+}
+
+
+def check_backend() -> None:
+  """Starts JAX's backend (after `maybe_initialize`), turning JAX's traceback for a platform
+  it cannot start (`JAX_PLATFORMS=rocm` with the CPU-only jaxlib) into one line.
+
+  Raises:
+    ValueError: naming the backend, JAX's reason and what to install (`BACKEND_FIXES`), or to
+      check that the devices are visible.
+  """
+  try:
+    jax.devices()
+  except RuntimeError as e:
+    m = re.search(r"Unable to initialize backend '([^']+)': (.*)", str(e))
+    if m is None:
+      raise
+    backend, reason = m[1], m[2].split(" (set JAX_PLATFORMS=")[0].strip().rstrip(".")
+    fix = BACKEND_FIXES.get(backend, f"install a jaxlib with the {backend} backend")
+    raise ValueError(
+        f"JAX cannot start its {backend!r} backend (JAX_PLATFORMS="
+        f"{os.environ.get('JAX_PLATFORMS', '')!r}, jax {jax.__version__}): {reason}. If this "
+        f"jaxlib lacks it, {fix}; if it has it, check that the devices are visible; or unset "
+        "JAX_PLATFORMS to use what is there.") from e
 
 
 def describe() -> str:

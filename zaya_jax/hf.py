@@ -130,6 +130,18 @@ def _to_ours(kind: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
   raise ValueError(f"unknown transform kind {kind!r}")
 
 
+def _open_safetensors(path: str):
+  """`safe_open(path)`; ValueError naming the file if it is not a readable safetensors file."""
+  try:
+    return safe_open(path, framework="np")
+  except FileNotFoundError as e:
+    raise ValueError(f"{path}: no such file (listed by the safetensors index); re-export "
+                     "the checkpoint") from e
+  except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
+    raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); the "
+                     "file is damaged or cut short: re-download or re-export it") from e
+
+
 class _SafetensorsReader:
   """Reads tensors by key from `model.safetensors` or a sharded `model.safetensors.index.json`."""
 
@@ -137,11 +149,15 @@ class _SafetensorsReader:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     single = os.path.join(hf_dir, "model.safetensors")
     if os.path.exists(index):
-      with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
+      try:
+        with open(index) as f:
+          weight_map = json.load(f)["weight_map"]
+      except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a "
+                         f"'weight_map'): {type(e).__name__}: {e}; re-export the checkpoint") from e
       self.files = {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
     elif os.path.exists(single):
-      with safe_open(single, framework="np") as f:
+      with _open_safetensors(single) as f:
         self.files = {k: single for k in f.keys()}
     else:
       raise FileNotFoundError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json found")
@@ -151,11 +167,19 @@ class _SafetensorsReader:
     return set(self.files)
 
   def get(self, key: str) -> np.ndarray:
-    """The tensor `key` as a new float32 numpy array (read from the memory-mapped file)."""
+    """The tensor `key` as a new float32 numpy array (read from the memory-mapped file).
+
+    Raises:
+      ValueError: naming the file, if it cannot be read (truncated, not safetensors).
+    """
     path = self.files[key]
     if path not in self._open:
-      self._open[path] = safe_open(path, framework="np")
-    return np.asarray(self._open[path].get_tensor(key), dtype=np.float32)
+      self._open[path] = _open_safetensors(path)
+    try:
+      return np.asarray(self._open[path].get_tensor(key), dtype=np.float32)
+    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
+      raise ValueError(f"{path}: cannot read tensor {key!r} ({type(e).__name__}: {e}); the "
+                       "file is damaged or cut short: re-download or re-export it") from e
 
   def release(self) -> None:
     """Closes the open files: their memory maps' pages stop counting in this process's RSS."""
@@ -194,7 +218,8 @@ def load_pretrained(hf_dir: str, dtype=jnp.float32, **config_overrides) -> ZayaF
     pages at a time (on CPU each parameter array is the numpy buffer it was converted into).
   Raises:
     FileNotFoundError: no config.json / safetensors in `hf_dir`.
-    ValueError: a tensor is missing, unexpected, or has the wrong shape (named in the message).
+    ValueError: a tensor is missing, unexpected, or has the wrong shape (named in the message),
+      or a safetensors file is damaged or cut short (named, with the fix).
   """
   if not os.path.isdir(hf_dir):
     raise FileNotFoundError(f"{hf_dir}: no such directory (load_pretrained reads a local "
