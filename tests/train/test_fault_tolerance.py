@@ -9,6 +9,7 @@ must equal the reference bit for bit:
   - NaN loss/gradients injected (`train.inject_nan_at_steps`): the update is skipped and
     counted; `max_consecutive_skips` in a row restore the last checkpoint and move past the
     offending batches.
+Then (issue 14) Ctrl-C during the first compile, a bad record mid-run and a missing backend.
 """
 
 import glob
@@ -19,11 +20,13 @@ import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.train.test_resume import launch, finish, records
+from tests.train.test_resume import REPO, launch, finish, records
 
 NUM_STEPS = 16
 EVERY = 4  # checkpoint interval
@@ -143,3 +146,102 @@ def test_nan_steps_are_skipped_then_rolled_back(tmp_path, cache, reference):
   # After the rollback steps 9.. see other batches than the reference's steps 9..
   assert rows[9]["loss"] != reference[1][9]["loss"]
   assert rows[NUM_STEPS]["skipped_steps"] == 3
+
+
+# --- issue 14: first-step interrupts, bad data mid-run, a missing backend -------------------
+# These use test_resume's smaller run (T=32, B=2: seconds per run once compiled).
+
+
+def read_until(proc, marker, timeout=240):
+  """Reads `proc`'s output up to a line containing `marker`; returns what it read."""
+  seen, deadline = [], time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    line = proc.stdout.readline()
+    assert line, "the run ended before " + repr(marker) + ": " + "".join(seen)[-3000:]
+    seen.append(line)
+    if marker in line:
+      return "".join(seen)
+  raise TimeoutError(marker)
+
+
+def step_dirs(workdir):
+  path = os.path.join(workdir, "checkpoints")
+  return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_first_compile(tmp_path):
+  """One Ctrl-C during the first compile: the run stops after its first step and leaves no
+  checkpoint (which would pin the workdir's model config), exit 0. Two: the process dies at
+  once, without a checkpoint or a crash (issue 14: 46 s, then a segfault). Fresh compilation
+  caches, so that the signals land in the compilation; both runs at once."""
+  once, twice = tmp_path / "once", tmp_path / "twice"
+  procs = [launch(once, tmp_path / "cache_once"), launch(twice, tmp_path / "cache_twice")]
+  try:
+    heads = [read_until(p, "Starting at step 0/") for p in procs]
+    procs[0].send_signal(signal.SIGINT)
+    procs[1].send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    procs[1].send_signal(signal.SIGINT)
+    start = time.monotonic()
+    out_twice = heads[1] + procs[1].communicate(timeout=60)[0]
+    aborted_after = time.monotonic() - start
+    out_once = heads[0] + finish(procs[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert procs[1].returncode == -signal.SIGINT, out_twice[-3000:]
+  assert aborted_after < 5, aborted_after
+  assert "Segmentation fault" not in out_twice and "Traceback" not in out_twice, out_twice[-3000:]
+  assert step_dirs(twice) == []
+  assert "during the first step of this run: nothing was saved" in out_once, out_once[-3000:]
+  assert "holds no checkpoint, so the next run starts over" in out_once
+  assert step_dirs(once) == []
+
+
+@pytest.mark.slow
+def test_bad_record_mid_run_checkpoints_the_last_step(tmp_path, cache):
+  """The corpus file is cut to nothing while the run reads it (a record that passed the
+  listing's check fails later): the run exits non-zero with one line naming file:line, after
+  a checkpoint of its last completed step, from which the same command resumes."""
+  corpus = tmp_path / "corpus.jsonl"
+  text = "".join(json.dumps({"text": f"document {i}: " + "abc " * (i % 9)}) + "\n"
+                 for i in range(400))
+  corpus.write_text(text)
+  args = [f"--config.data.source={corpus}", "--config.train.eval_batches=0",
+          "--config.train.num_steps=300", "--config.checkpoint.every_steps=1000"]
+  proc = launch(tmp_path / "run", cache, *args)
+  wait_for_step(proc, tmp_path / "run", 2)
+  corpus.write_text("")
+  out, _ = proc.communicate(timeout=240)
+  assert proc.returncode == 1, out[-3000:]
+  m = re.search(r"training stopped: step (\d+): reading the next batch failed: data\.source: "
+                + re.escape(str(corpus)) + r":\d+ is not valid JSON .*; checkpoint (\d+) "
+                r"\(the last completed step\) is in .*Fix the data and rerun", out)
+  assert m, out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  last = int(m[2])
+  assert int(m[1]) == last + 1 and last >= 2
+  assert step_dirs(tmp_path / "run") == [str(last)]
+  assert max(records(tmp_path / "run")) == last
+  corpus.write_text(text)
+  out = finish(launch(tmp_path / "run", cache, *args, "--config.train.max_steps_per_run=1"))
+  assert f"Resuming at step {last}/300" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_missing_backend_is_one_line(tmp_path):
+  """JAX_PLATFORMS=rocm with the CPU-only jaxlib: one line naming the backend and the
+  requirements file (issue 14: JAX's 35-line traceback)."""
+  env = {**os.environ, "JAX_PLATFORMS": "rocm"}
+  proc = subprocess.run([sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
+                         f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env, text=True,
+                        capture_output=True, timeout=120)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith(("I", "W"))]
+  assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "JAX cannot start its 'rocm' backend" in lines[0]
+  assert "pip install -r launch/slurm/requirements-rocm.txt" in lines[0]
+  assert not (tmp_path / "run").exists()

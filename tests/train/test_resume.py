@@ -84,11 +84,27 @@ def test_resume_matches_straight_run(tmp_path, cache):
 
 
 @pytest.mark.slow
-def test_resume_refuses_another_model(tmp_path, cache):
+def test_resume_refuses_another_model_and_follows_run_shape_changes(tmp_path, cache):
+  """Another model is refused. A new train.seq_len or data.num_workers resumes (issue 14:
+  the first silently skipped or repeated tokens, the second made every checkpoint look
+  corrupt): the position is carried to the same token across the row length (tested exactly
+  in tests/data), and a worker-count change restarts the data order, with a warning."""
   workdir = tmp_path / "run"
-  finish(launch(workdir, cache, "--config.train.max_steps_per_run=1",
-                "--config.checkpoint.every_steps=1"))
+  once = ["--config.train.max_steps_per_run=1", "--config.checkpoint.every_steps=1"]
+  finish(launch(workdir, cache, *once))
   proc = launch(workdir, cache, "--config.model.hidden_size=64")
   out, _ = proc.communicate(timeout=240)
   assert proc.returncode != 0
   assert "model.hidden_size: 32 -> 64" in out, out[-4000:]
+
+  out = finish(launch(workdir, cache, *once, "--config.train.seq_len=64"))
+  assert "Resuming at step 1/" in out, out[-4000:]
+  assert "train.seq_len 32 -> 64; the data position is carried over to the same token" in out
+  out = finish(launch(workdir, cache, *once, "--config.train.seq_len=64",
+                      "--config.data.num_workers=2"))
+  assert "Resuming at step 2/" in out, out[-4000:]
+  assert ("data.num_workers changed 0 -> 2 (each worker count reads the documents in its own "
+          "order), so the saved data position is not applied: the model, optimizer and step "
+          "resume, and the data order restarts") in out, out[-4000:]
+  assert "cannot be restored" not in out and not (workdir / "checkpoints_corrupt").exists()
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "3"]  # max_to_keep=2
