@@ -152,6 +152,38 @@ def test_dead_peer_makes_the_other_exit(tmp_path, corpus):
 
 
 @pytest.mark.slow
+def test_stopped_peer_trips_the_watchdog(tmp_path, corpus):
+  """Process 1 is frozen (SIGSTOP) after step 3, the heartbeat timeout far away: process 0
+  blocks in a collective outside the step itself (the metrics fetch, log_every=1, or the
+  stop-signal agreement) and must dump its stacks and exit 3 within step_timeout_s
+  (issue 14: it blocked there for good, unguarded)."""
+  timeout_s = 10
+  procs = launch_pair(tmp_path / "run", corpus, tmp_path, "--heartbeat_timeout=600",
+                      f"--config.train.step_timeout_s={timeout_s}")
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    while not (os.path.exists(tmp_path / "run" / "metrics.jsonl")
+               and max(losses(tmp_path / "run"), default=0) >= 3):
+      assert time.monotonic() < deadline, tail(tmp_path, "proc0.log")
+      assert all(p.poll() is None for p in procs), (tail(tmp_path, "proc0.log"),
+                                                     tail(tmp_path, "proc1.log"))
+      time.sleep(0.1)
+    procs[1].send_signal(signal.SIGSTOP)
+    start = time.monotonic()
+    [code] = wait_all([procs[0]], timeout_s + 60)  # raises (and kills) if it hangs
+    took = time.monotonic() - start
+  finally:
+    procs[1].kill()
+    procs[1].wait()
+  log0 = (tmp_path / "proc0.log").read_text()
+  print(f"process 0 exited with {code} {took:.1f} s after its peer stopped")
+  assert code == 3, log0[-4000:]  # the watchdog's status (its C-level backstop exits 1)
+  assert f"did not finish within train.step_timeout_s={timeout_s} s" in log0, log0[-4000:]
+  assert "most recent call first" in log0  # faulthandler's stack dump
+  assert took < timeout_s + 20
+
+
+@pytest.mark.slow
 def test_missing_peer_fails_initialization(tmp_path, corpus):
   address = f"127.0.0.1:{free_port()}"
   proc = launch(tmp_path / "run", corpus, 4, f"--coordinator_address={address}",
