@@ -162,6 +162,13 @@ def test_bad_inputs_exit_with_a_message(chain, tmp_path):
       (("launch.convert_from_hf", f"--hf_dir={chain['hf']}", f"--workdir={run}", *CONFIG),
        f"{run}/checkpoints already holds checkpoint step {STEPS}; pass a fresh --workdir"),
   ]
+  truncated = tmp_path / "truncated_hf"  # a download cut short (issue 14: a raw SafetensorError)
+  truncated.mkdir()
+  (truncated / "config.json").write_bytes((chain["hf"] / "config.json").read_bytes())
+  (truncated / "model.safetensors").write_bytes((chain["hf"] / "model.safetensors").read_bytes()[:4096])
+  cases.append((("launch.convert_from_hf", f"--hf_dir={truncated}", f"--workdir={tmp_path / 'w3'}",
+                 *CONFIG),
+                f"{truncated}/model.safetensors: not a readable safetensors file"))
   for (module, *args), message in cases:
     code, out = cli(module, *args, cache_dir=cache, check=False)
     assert code != 0, (module, args, out[-2000:])
@@ -169,3 +176,4 @@ def test_bad_inputs_exit_with_a_message(chain, tmp_path):
     assert "Traceback" not in out, (module, args[:2], out[-3000:])
   assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
   assert not (tmp_path / "w1").exists()  # refused before anything was written
+  assert not (tmp_path / "w3" / "checkpoints" / "0").exists()  # no step-0 checkpoint
