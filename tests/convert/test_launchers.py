@@ -165,7 +165,8 @@ def test_bad_inputs_exit_with_a_message(chain, tmp_path):
   truncated = tmp_path / "truncated_hf"  # a download cut short (issue 14: a raw SafetensorError)
   truncated.mkdir()
   (truncated / "config.json").write_bytes((chain["hf"] / "config.json").read_bytes())
-  (truncated / "model.safetensors").write_bytes((chain["hf"] / "model.safetensors").read_bytes()[:4096])
+  head = (chain["hf"] / "model.safetensors").read_bytes()[:4096]
+  (truncated / "model.safetensors").write_bytes(head)
   cases.append((("launch.convert_from_hf", f"--hf_dir={truncated}", f"--workdir={tmp_path / 'w3'}",
                  *CONFIG),
                 f"{truncated}/model.safetensors: not a readable safetensors file"))

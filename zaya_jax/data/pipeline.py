@@ -259,8 +259,9 @@ def make_train_iterator(
     A `PackedIterator` yielding dicts of [B, T] numpy arrays (module docstring).
     `it.get_state()` / `it.set_state(state)` and `grain.checkpoint.CheckpointSave(it)` /
     `CheckpointRestore(it)` resume exactly, also from a state of rows of another T
-    (`PackedIterator.saved_seq_len`, in-process reading only). With cfg.num_workers > 0 batches are built in
-    that many worker processes (a different, equally deterministic order than in-process).
+    (`PackedIterator.saved_seq_len`, in-process reading only). With cfg.num_workers > 0
+    batches are built in that many worker processes (a different, equally deterministic
+    order than in-process).
 
   Raises:
     ValueError: naming the data.* field at fault (empty corpus or split, bad tokenizer).

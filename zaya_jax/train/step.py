@@ -269,8 +269,9 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   An update whose loss or gradient norm is not finite is skipped: parameters, optimizer
   moments, balancing biases and controller state stay as they were, `step` and optax's
-  counters still advance (the batch is consumed; the schedule follows the step), `skipped_steps` and `consecutive_skips` count it (the loop rolls back
-  after too many in a row).
+  counters still advance (the batch is consumed; the schedule follows the step),
+  `skipped_steps` and `consecutive_skips` count it (the loop rolls back after too many in a
+  row).
 
   Args:
     poison: test-only fault injection: a bool [] that, when true, makes this update's loss
