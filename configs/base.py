@@ -125,18 +125,36 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.fsdp = -1  # FSDP shards (params sharded on hidden dim); -1 = all remaining devices
   mesh.expert = 1  # expert-parallel shards; must divide model.num_experts
 
-  # --- balance: zaya_jax.config.BalanceConfig, the router balancing-bias controller --------
-  # Aux-loss-free balancing (zaya_jax/train/balance.py): after every step each layer's biases
-  # [E+1] move by the error e = target share - observed share of this step's tokens (experts:
-  # 1/E of the expert-routed tokens). Bias units are probability units (added to the softmax).
+  # --- balance: zaya_jax.config.BalanceConfig, the router balancing biases ------------------
+  # Aux-loss-free balancing (zaya_jax/train/balance.py): the router picks argmax(softmax + b);
+  # after every step the biases b [E+1] of each layer move from that step's global-batch
+  # routing so that the next steps route evenly over the experts (target: 1/E of the
+  # expert-routed tokens each). Bias units are probability units (added to the softmax).
   b = config.balance = ml_collections.ConfigDict()
   b.enabled = True  # update the biases every step; False = they keep their values
-  b.mode = "pid"  # "pid": bias += kp*e + ki*integral(e) + kd*(e - e_prev) | "sign": bias += rate*sign(e) (DeepSeek-V3)
-  b.kp = 0.02  # bias per unit error per step (acts as the integral gain on the bias)
-  b.ki = 0.0  # bias per unit accumulated error per step (a second integrator; keep small)
-  b.kd = 0.0  # bias per unit error change per step (acts as a proportional term on the bias)
-  b.integral_clamp = 1.0  # anti-windup: the accumulated error stays in [-this, this] (error-steps)
-  b.rate = 1e-3  # "sign" mode: bias change per step
+  # "quantile": the biases that route this batch exactly evenly (per-class quantile of the
+  #   tokens' margins), applied to the next batch | "adamw": AdamW on the biases with gradient
+  #   (routed share - 1/E) (ZAYA1-8B report) | "pid": bias += kp*e + ki*integral(e) +
+  #   kd*(e - e_prev), e = 1/E - share | "sign": bias += rate*sign(e) (DeepSeek-V3)
+  b.mode = "quantile"
+  b.kp = 0.02  # "pid": bias per unit error per step (acts as the integral gain on the bias)
+  b.ki = 0.0  # "pid": bias per unit accumulated error per step (a second integrator; keep small)
+  b.kd = 0.0  # "pid": bias per unit error change per step (acts as a proportional term on the bias)
+  b.integral_clamp = 1.0  # "pid" anti-windup: the accumulated error stays in [-this, this] (error-steps)
+  b.rate = 1e-3  # "sign": bias change per step
+  b.adamw_lr = 1e-2  # "adamw": learning rate of the biases' own AdamW (probability units per step)
+  b.adamw_b1 = 0.9  # "adamw": first-moment decay
+  b.adamw_b2 = 0.99  # "adamw": second-moment decay
+  b.adamw_eps = 1e-8  # "adamw": epsilon of the denominator (units of a token share)
+  b.adamw_weight_decay = 0.0  # "adamw": decoupled weight decay on the controlled biases
+  # "quantile": "current" = each layer solves the biases from the batch it routes and routes
+  # it with them (every step's load even to a token; with train.grad_accum_steps > 1 each
+  # micro-batch for itself; training only: evaluation and generation route with the stored
+  # biases, the last solve's) | "next" = solve them from this step's batch, route the next
+  # steps with them (Megatron-LM, Kimi K3; per-step load then follows how much batches differ)
+  b.quantile_apply = "current"
+  b.quantile_ema = 0.0  # "quantile": b <- ema*b + (1-ema)*solved each step; 0 = the solved biases
+  b.quantile_sweeps = 64  # "quantile": most coordinate sweeps per solve (it stops once every class is within 1 token)
   b.bias_clamp = 0.0  # controlled biases stay in [-this, this]; 0 = no clamp
   # Target fraction of tokens routed to the skip class; None (or < 0) = off: the skip bias
   # keeps its initial value (-1, so the skip class practically never wins).

@@ -5,6 +5,9 @@ Reads DIR/metrics.jsonl (written by launch.train; not the TensorBoard event file
                     rate in panels below; red ticks mark steps whose update was skipped
   expert_load.png   heat map layers x classes (experts, skip class last) of the fraction of
                     tokens routed, averaged over the last --window train records
+  balance.png       per layer and train record: max/mean expert load (1 = even, E = one
+                    expert) and the normalised load entropy H(p)/ln E (1 = even, 0 = one
+                    expert; the ZAYA1-8B report's Fig. 4 metric), one line per layer
 and prints their paths. Works while the run is still training (it only reads).
 """
 
@@ -109,8 +112,40 @@ def plot_expert_load(load_LX: np.ndarray, steps: list[int], path: str, title: st
   fig.savefig(path, dpi=100)
 
 
+def per_layer_series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+  """`(steps [n], values [n, L])` of a per-layer train metric (records that have it)."""
+  rows = [r for r in records if r.get("kind") == "train" and r.get(key) is not None]
+  if not rows:
+    return np.zeros((0,)), np.zeros((0, 0))
+  return (np.asarray([r["step"] for r in rows], np.float64),
+          np.asarray([r[key] for r in rows], np.float64))
+
+
+def plot_balance(records: list[dict], path: str, title: str) -> None:
+  """Writes `path`: max/mean expert load and normalised load entropy per layer vs step."""
+  fig = Figure(figsize=(9.0, 6.0))
+  FigureCanvasAgg(fig)
+  top, bottom = fig.subplots(2, 1, sharex=True)
+  for ax, key, label in ((top, "balance/max_over_mean", "max / mean expert load"),
+                         (bottom, "balance/load_entropy", "load entropy H(p) / ln E")):
+    steps, values = per_layer_series(records, key)
+    for layer in range(values.shape[1]):
+      ax.plot(steps, values[:, layer], lw=0.8, label=f"layer {layer}")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  top.axhline(1.0, color="black", lw=0.6, ls="--")
+  bottom.axhline(0.99, color="black", lw=0.6, ls="--")
+  bottom.set_ylim(0.0, 1.02)
+  bottom.set_xlabel("step")
+  if values.shape[1] <= 16:
+    top.legend(loc="upper right", fontsize=7, ncol=2)
+  fig.suptitle(f"{title}: per-step expert load balance (skip class excluded)", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
 def make_plots(workdir: str, out: str | None = None, window: int = 20) -> list[str]:
-  """Reads `workdir/metrics.jsonl` and writes loss.png and expert_load.png to `out`.
+  """Reads `workdir/metrics.jsonl` and writes loss.png, expert_load.png and balance.png to `out`.
 
   Args:
     workdir: a launch.train workdir.
@@ -118,7 +153,8 @@ def make_plots(workdir: str, out: str | None = None, window: int = 20) -> list[s
     window: train records averaged in the expert-load heat map, >= 1.
 
   Returns:
-    The paths written (expert_load.png only when the records have `expert_load`).
+    The paths written (expert_load.png only when the records have `expert_load`,
+    balance.png only when they have the per-layer balance metrics).
 
   Raises:
     FileNotFoundError: no metrics.jsonl in `workdir`.
@@ -137,6 +173,9 @@ def make_plots(workdir: str, out: str | None = None, window: int = 20) -> list[s
     load_LX, steps = metrics.mean_expert_load(records, window)
     written.append(os.path.join(out, "expert_load.png"))
     plot_expert_load(load_LX, steps, written[-1], name)
+  if per_layer_series(records, "balance/load_entropy")[0].size:
+    written.append(os.path.join(out, "balance.png"))
+    plot_balance(records, written[-1], name)
   return written
 
 

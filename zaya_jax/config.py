@@ -149,17 +149,28 @@ class CheckpointConfig:
       raise ConfigError(f"checkpoint.async_save={self.async_save!r} must be True or False")
 
 
+BALANCE_MODES = ("pid", "sign", "adamw", "quantile")
+
+
 @dataclasses.dataclass(frozen=True)
 class BalanceConfig:
-  """Balancing-bias controller and auxiliary router losses (zaya_jax/train/balance.py)."""
+  """Router balancing biases and auxiliary router losses (zaya_jax/train/balance.py)."""
 
   enabled: bool = True  # update the router balancing biases every step from the routing counts
-  mode: str = "pid"  # "pid" | "sign" (DeepSeek-V3: bias += rate * sign(error))
-  kp: float = 0.02  # bias per unit error per step (error = target - observed share of tokens)
-  ki: float = 0.0  # bias per unit accumulated error per step
-  kd: float = 0.0  # bias per unit change of the error since the last step
-  integral_clamp: float = 1.0  # anti-windup: |accumulated error| <= this (error-steps)
+  mode: str = "quantile"  # one of BALANCE_MODES (see configs/base.py)
+  kp: float = 0.02  # "pid": bias per unit error per step (error = target - observed share of tokens)
+  ki: float = 0.0  # "pid": bias per unit accumulated error per step
+  kd: float = 0.0  # "pid": bias per unit change of the error since the last step
+  integral_clamp: float = 1.0  # "pid" anti-windup: |accumulated error| <= this (error-steps)
   rate: float = 1e-3  # "sign" mode: bias change per step
+  adamw_lr: float = 1e-2  # "adamw": AdamW learning rate on the biases (probability units per step)
+  adamw_b1: float = 0.9  # "adamw": first-moment decay
+  adamw_b2: float = 0.99  # "adamw": second-moment decay
+  adamw_eps: float = 1e-8  # "adamw": denominator epsilon (units of the error, a token share)
+  adamw_weight_decay: float = 0.0  # "adamw": decoupled weight decay on the controlled biases
+  quantile_apply: str = "current"  # "quantile": "current" = route this batch with its own solve | "next" = the next batch
+  quantile_ema: float = 0.0  # "quantile": b <- ema * b + (1 - ema) * solved; 0 = use the solved biases
+  quantile_sweeps: int = 64  # "quantile": most coordinate sweeps over the classes per solve
   bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp
   skip_target: float | None = None  # target fraction of tokens skipping the experts; None/<0 = off
   router_z_loss: float = 0.0  # coefficient of the router z-loss added to the training loss
@@ -168,12 +179,28 @@ class BalanceConfig:
   def __post_init__(self):
     if not isinstance(self.enabled, bool):
       raise ConfigError(f"balance.enabled={self.enabled!r} must be True or False")
-    if self.mode not in ("pid", "sign"):
-      raise ConfigError(f"balance.mode={self.mode!r} must be \"pid\" or \"sign\"")
-    for f in ("kp", "ki", "kd", "rate", "bias_clamp", "router_z_loss", "load_balance_loss"):
+    if self.mode not in BALANCE_MODES:
+      raise ConfigError(f"balance.mode={self.mode!r} must be one of "
+                        + ", ".join(f'"{m}"' for m in BALANCE_MODES))
+    for f in ("kp", "ki", "kd", "rate", "bias_clamp", "router_z_loss", "load_balance_loss",
+              "adamw_lr", "adamw_weight_decay"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
         raise ConfigError(f"balance.{f}={v!r} must be a number >= 0")
+    for f in ("adamw_b1", "adamw_b2", "quantile_ema"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise ConfigError(f"balance.{f}={v!r} must be a number in [0, 1)")
+    if isinstance(self.adamw_eps, bool) or not isinstance(
+        self.adamw_eps, (int, float)) or not self.adamw_eps > 0:
+      raise ConfigError(f"balance.adamw_eps={self.adamw_eps!r} must be > 0 (e.g. 1e-8)")
+    if self.quantile_apply not in ("next", "current"):
+      raise ConfigError(f"balance.quantile_apply={self.quantile_apply!r} must be \"next\" (solve "
+                        "from this batch, route the next) or \"current\" (route this batch too)")
+    if isinstance(self.quantile_sweeps, bool) or not isinstance(
+        self.quantile_sweeps, int) or self.quantile_sweeps < 1:
+      raise ConfigError(f"balance.quantile_sweeps={self.quantile_sweeps!r} must be an integer "
+                        ">= 1 (e.g. 16)")
     if isinstance(self.integral_clamp, bool) or not isinstance(
         self.integral_clamp, (int, float)) or not self.integral_clamp > 0:
       raise ConfigError(f"balance.integral_clamp={self.integral_clamp!r} must be > 0 "
@@ -182,6 +209,11 @@ class BalanceConfig:
         self.skip_target, (int, float)) or self.skip_target >= 1):
       raise ConfigError(f"balance.skip_target={self.skip_target!r} must be a fraction < 1 of "
                         "the tokens, or None / a negative number to leave the skip bias alone")
+
+  @property
+  def skip_controlled(self) -> bool:
+    """True when `skip_target` sets a target skip rate (else the skip bias keeps its value)."""
+    return self.skip_target is not None and self.skip_target >= 0
 
 
 @dataclasses.dataclass(frozen=True)

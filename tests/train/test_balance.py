@@ -50,7 +50,7 @@ def settle_step(mom: np.ndarray, threshold: float = 1.1) -> int | None:
 
 
 def test_pid_default_gains_balance_a_skewed_router():
-  mom, b, _ = simulate(BalanceConfig(), steps=150)
+  mom, b, _ = simulate(BalanceConfig(mode="pid"), steps=150)
   assert mom[0] > 3.0  # two experts take most of the tokens at the start
   settled = settle_step(mom)
   print(f"pid (kp=0.02): max/mean {mom[0]:.2f} -> <1.1 from step {settled}; last 50 <= {mom[-50:].max():.3f}")
@@ -74,7 +74,7 @@ def test_sign_mode_balances_a_skewed_router():
 
 
 def test_skip_target_steers_the_skip_rate():
-  mom, b, skip = simulate(BalanceConfig(kp=0.1, skip_target=0.2), steps=150)  # from bias -1
+  mom, b, skip = simulate(BalanceConfig(mode="pid", kp=0.1, skip_target=0.2), steps=150)  # from bias -1
   assert np.all(b[:, -1] > -1.0)  # the skip class had to be raised from ~0 skips
   np.testing.assert_allclose(skip[-20:].mean(axis=0), 0.2, atol=0.03)
 
@@ -90,7 +90,7 @@ def test_error_definition_and_empty_layers():
 
 
 def test_pid_terms_integral_clamp_and_bias_clamp():
-  cfg = BalanceConfig(kp=0.1, ki=0.01, kd=0.5, integral_clamp=0.3, bias_clamp=0.05)
+  cfg = BalanceConfig(mode="pid", kp=0.1, ki=0.01, kd=0.5, integral_clamp=0.3, bias_clamp=0.05)
   counts = jnp.array([[4.0, 0.0, 0.0, 0.0, 0.0]])  # e = [-0.75, 0.25, 0.25, 0.25, 0]
   st = B.init_balance_state(1, 5)
   b, st = B.controller_step(cfg, jnp.zeros((1, 5)), st, counts)
@@ -107,9 +107,11 @@ def test_pid_terms_integral_clamp_and_bias_clamp():
 def test_disabled_or_skipped_step_changes_nothing():
   counts = jnp.array([[9.0, 1.0, 0.0, 0.0, 5.0]])
   b0 = jnp.array([[0.1, -0.2, 0.0, 0.3, -1.0]])
-  st0 = {"integral": jnp.full((1, 5), 0.1), "prev_error": jnp.full((1, 5), -0.1)}
-  for cfg, apply in ((BalanceConfig(enabled=False, skip_target=0.1), True),
-                     (BalanceConfig(skip_target=0.1), jnp.bool_(False))):
+  st0 = {**B.init_balance_state(1, 5), "integral": jnp.full((1, 5), 0.1),
+         "prev_error": jnp.full((1, 5), -0.1)}
+  for cfg, apply in ((BalanceConfig(mode="pid", enabled=False, skip_target=0.1), True),
+                     (BalanceConfig(mode="pid", skip_target=0.1), jnp.bool_(False)),
+                     (BalanceConfig(mode="adamw", skip_target=0.1), jnp.bool_(False))):
     b, st = B.controller_step(cfg, b0, st0, counts, apply)
     np.testing.assert_array_equal(b, b0)
     jax.tree.map(np.testing.assert_array_equal, st, st0)
@@ -133,7 +135,7 @@ def tiny():
   graphdef, params_shape, _ = abstract_model(model_cfg, seed=0)
   tx = make_optimizer(train_cfg, params_shape)
   state = init_train_state(model_cfg, tx, seed=0)
-  cfg = BalanceConfig(router_z_loss=1e-3, load_balance_loss=1e-2)
+  cfg = BalanceConfig(mode="pid", router_z_loss=1e-3, load_balance_loss=1e-2)
   step = jax.jit(lambda s, b, p: train_step(graphdef, tx, make_schedule(train_cfg), s, b, p,
                                             balance=cfg))
   return model_cfg, state, step
@@ -187,14 +189,17 @@ def test_state_without_controller_state_gets_zeros(tiny):
   assert new.balance["integral"].shape == (model_cfg.num_layers, model_cfg.num_router_classes)
 
 
-@pytest.mark.parametrize("router_init", ["fan_in", "normal"])
-def test_fresh_model_router_can_be_balanced_only_with_fan_in_init(router_init):
-  """The controller on a real, freshly initialised (frozen) model, fresh random bytes each
-  step. With `router_init="fan_in"` the router's probabilities differ between tokens, so the
-  biases split them: max/mean load falls from its initial value to < 1.5 (per-step sampling
-  noise over 512 tokens per layer is ~1.2). With "normal" (HF's initializer_range 0.02 on all
-  three router layers) every token gets the same probabilities to ~1e-5, so each layer sends
-  all its tokens to one expert whatever the biases (max/mean = E)."""
+@pytest.mark.parametrize("router_init,mode", [("fan_in", "pid"), ("fan_in", "quantile"),
+                                              ("fan_in", "adamw"), ("normal", "pid"),
+                                              ("normal", "quantile")])
+def test_fresh_model_router_can_be_balanced_only_with_fan_in_init(router_init, mode):
+  """The balancing rule on a real, freshly initialised (frozen) model, fresh random bytes
+  each step. With `router_init="fan_in"` the router's probabilities differ between tokens,
+  so the biases split them: max/mean load falls from its initial value to < 1.5 (per-step
+  sampling noise over 512 tokens per layer is ~1.2). With "normal" (HF's initializer_range
+  0.02 on all three router layers) every token gets the same probabilities to ~1e-5, so
+  each layer sends all its tokens to one expert whatever the PID's biases (max/mean = E);
+  the exact thresholds of "quantile" still split such tokens (< 1.5 there too)."""
   from zaya_jax.model.transformer import create_model
   from flax import nnx
   cfg = dataclasses.replace(tiny_model_config(), num_experts=8, router_init=router_init)
@@ -203,16 +208,20 @@ def test_fresh_model_router_can_be_balanced_only_with_fan_in_init(router_init):
   @jax.jit
   def counts(params, rest, ids):
     _, aux = nnx.merge(graphdef, params, rest)(ids, return_aux=True)
-    return aux["expert_counts"]
+    return aux["expert_counts"], aux["router_probs"]
 
   rng = np.random.default_rng(0)
-  bal, state, loads = BalanceConfig(), B.init_balance_state(cfg.num_layers, 9), []
+  bal, state, loads = BalanceConfig(mode=mode), B.init_balance_state(cfg.num_layers, 9), []
+  valid = jnp.ones((4 * 128,), bool)
+  update = jax.jit(lambda rest, state, c, probs: B.update_model_state(bal, rest, state, c, True,
+                                                                      probs, valid))
   for _ in range(40):
-    c = counts(params, rest, jnp.asarray(rng.integers(3, 259, (4, 128))))
+    c, probs = counts(params, rest, jnp.asarray(rng.integers(3, 259, (4, 128))))
     loads.append(float(jnp.max(B.load_stats(c)["max_over_mean"])))
-    rest, state = B.update_model_state(bal, rest, state, c)
+    rest, state = update(rest, state, c, probs)
   late = float(np.mean(loads[-10:]))
-  if router_init == "fan_in":
+  print(f"{router_init} {mode}: max/mean {loads[0]:.2f} -> {late:.2f} (mean of the last 10)")
+  if router_init == "fan_in" or mode == "quantile":
     assert late < 1.5, loads
   else:
     assert late > 7.0, loads

@@ -137,15 +137,22 @@ def test_mean_expert_load_is_mean_of_last_window():
     metrics.mean_expert_load(records, window=0)
 
 
-def test_plot_writes_both_pngs(tmp_path):
+def test_plot_writes_the_pngs(tmp_path):
   workdir = str(tmp_path / "run")
   records = [train_record(s, num_layers=3, num_classes=5) for s in range(10, 210, 10)]
   records[5]["skipped_steps"] = 1
+  for i, r in enumerate(records):
+    r["balance/max_over_mean"] = [1.0 + 0.1 * i, 2.0, 4.0]
+    r["balance/load_entropy"] = [1.0 - 0.01 * i, 0.9, 0.5]
   records += [{"kind": "eval", "step": s, "loss": 2.5, "tokens": 100.0} for s in (100, 200)]
   write_metrics(workdir, records)
   paths = plot.make_plots(workdir, window=4)
-  assert paths == [os.path.join(workdir, "plots", "loss.png"),
-                   os.path.join(workdir, "plots", "expert_load.png")]
+  assert paths == [os.path.join(workdir, "plots", name)
+                   for name in ("loss.png", "expert_load.png", "balance.png")]
+  steps, values = plot.per_layer_series(records, "balance/load_entropy")
+  np.testing.assert_array_equal(steps, np.arange(10, 210, 10))
+  np.testing.assert_allclose(values[:, 0], 1.0 - 0.01 * np.arange(20))
+  assert values.shape == (20, 3)
   for path in paths:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"

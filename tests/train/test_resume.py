@@ -60,25 +60,31 @@ def cache(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_resume_matches_straight_run(tmp_path, cache):
+@pytest.mark.parametrize("mode", ["quantile", "adamw"])
+def test_resume_matches_straight_run(tmp_path, cache, mode):
+  """Per-step losses, expert loads and balancing biases (after each update) equal an
+  uninterrupted run's: for "adamw" the biases after step N+1 depend on the bias optimizer's
+  restored moments and count; for "quantile" on the restored biases (the solve's warm start)."""
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  finish(launch(straight, cache))  # compiles; the later runs read the cache
-  finish(launch(resumed, cache, f"--config.train.max_steps_per_run={N}"))
+  mode_flag = f"--config.balance.mode={mode}"
+  finish(launch(straight, cache, mode_flag))  # compiles; the later runs read the cache
+  finish(launch(resumed, cache, mode_flag, f"--config.train.max_steps_per_run={N}"))
   assert sorted(records(resumed)) == list(range(1, N + 1))
   assert sorted(os.listdir(resumed / "checkpoints")) == [str(N)]
 
-  out = finish(launch(resumed, cache))
+  out = finish(launch(resumed, cache, mode_flag))
   assert f"Resuming at step {N}/{2 * N}" in out, out[-4000:]
 
   a, b = records(straight), records(resumed)
   assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
+  assert a[N + 1]["balance/biases"] != a[N]["balance/biases"]  # the biases move every step
   for step in a:
-    for key in ("loss", "grad_norm", "lr", "expert_load"):
+    for key in ("loss", "grad_norm", "lr", "expert_load", "balance/biases"):
       assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
   assert records(straight, "eval")[2 * N]["loss"] == records(resumed, "eval")[2 * N]["loss"]
 
   # Rerunning a finished run trains nothing more and keeps the checkpoints.
-  out = finish(launch(resumed, cache))
+  out = finish(launch(resumed, cache, mode_flag))
   assert f"Resuming at step {2 * N}/{2 * N}" in out
   assert len(records(resumed)) == 2 * N
 

@@ -171,8 +171,8 @@ def test_non_finite_update_is_skipped_and_counted(setup):
   assert float(m4["loss"]) == float(m_direct["loss"])
 
 
-@pytest.mark.parametrize("accum", [2, 4])
-def test_grad_accumulation_equals_one_pass(setup, accum):
+@pytest.mark.parametrize("accum,mode", [(2, "pid"), (4, "pid"), (2, "quantile"), (2, "adamw")])
+def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   """Accumulating over micro-batches gives the whole batch's update: the same loss, gradient
   norm, new parameters, Adam moments, routing counts and controller-moved biases. The batch
   mixes padding and documents of different lengths, so the mean over masked tokens must be
@@ -183,7 +183,7 @@ def test_grad_accumulation_equals_one_pass(setup, accum):
   train_cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-2, batch_size=4, seq_len=12)
   graphdef, params_shape, _ = abstract_model(model_cfg, seed=0)
   tx = make_optimizer(train_cfg, params_shape)
-  bal = BalanceConfig(kp=0.05, router_z_loss=1e-2)
+  bal = BalanceConfig(mode=mode, kp=0.05, router_z_loss=1e-2)
   rng = np.random.default_rng(3)
   batch = {k: np.concatenate([a, b]) for (k, a), b in
            zip(random_batch(rng).items(), random_batch(rng).values())}

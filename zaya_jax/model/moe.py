@@ -85,7 +85,7 @@ class MoE(nnx.Module):
                          out_specs=(tokens, tokens), check_vma=not kernel_gmm)(x_MD, class_M, *weights)
 
   def __call__(self, b_BTD: jax.Array, r_prev_BTR: jax.Array, segment_ids_BT: jax.Array,
-               router_stats: bool = False):
+               router_stats: bool = False, batch_balance=None):
     """Args: `b_BTD` the post-attention-normed input; `r_prev_BTR` float32 router state of the
     previous layer (zeros for layer 0); `segment_ids_BT` (0 = pad, only for the statistics).
 
@@ -94,13 +94,19 @@ class MoE(nnx.Module):
     float32 number of non-padding tokens dropped by a capacity-limited dispatch. With
     `router_stats`, a fifth element: a dict of float32 means over non-padding tokens,
     `entropy` [] (-sum_x p log p, nats), `mean_probs` [X] (softmax) and `z2` []
-    (logsumexp(logits)^2), for metrics and the auxiliary losses (differentiable).
+    (logsumexp(logits)^2), for metrics and the auxiliary losses (differentiable), and
+    `probs` [M, X], every token's softmax without gradient (quantile balancing), and
+    `biases` [X], the balancing biases the tokens were routed with. `batch_balance` (a
+    `zaya_jax.model.quantile.BatchBalance`, training only): route with biases solved from
+    this batch's probabilities instead of the stored ones.
     """
     bsz, t, d = b_BTD.shape
     e = self.num_experts
     x_MD = b_BTD.reshape(bsz * t, d)
-    route, r_MR, probs_MX, logits_MX = self.router.route(
-        x_MD, r_prev_BTR.reshape(bsz * t, -1), with_logits=True)
+    real_M = (segment_ids_BT.reshape(-1) != 0).astype(jnp.float32)
+    route, r_MR, probs_MX, logits_MX, biases_X = self.router.route(
+        x_MD, r_prev_BTR.reshape(bsz * t, -1), with_logits=True, batch_balance=batch_balance,
+        valid_M=real_M > 0)
     class_M, gate_M = route.class_M, route.gate_M
     if self.force_balanced_routing:  # debug: round-robin over experts, for throughput runs
       class_M = jnp.arange(bsz * t, dtype=jnp.int32) % e
@@ -113,7 +119,6 @@ class MoE(nnx.Module):
     else:
       y_MD = jnp.where(bypass_M1, 0, y_MD)
     y_MD = y_MD * gate_M[:, None].astype(y_MD.dtype)
-    real_M = (segment_ids_BT.reshape(-1) != 0).astype(jnp.float32)
     counts_X = jnp.zeros((e + 1,), jnp.float32).at[class_M].add(real_M)
     dropped = jnp.sum(dropped_M * real_M)
     out = (y_MD.reshape(bsz, t, d), r_MR.reshape(bsz, t, -1), counts_X, dropped)
@@ -124,5 +129,6 @@ class MoE(nnx.Module):
     entropy_M = -jnp.sum(probs_MX * jax.nn.log_softmax(logits_MX, axis=-1), axis=-1)
     stats = {"entropy": mean(entropy_M),
              "mean_probs": jnp.sum(probs_MX * real_M[:, None], axis=0) / n_real,
-             "z2": mean(jnp.square(jax.nn.logsumexp(logits_MX, axis=-1)))}
+             "z2": mean(jnp.square(jax.nn.logsumexp(logits_MX, axis=-1))),
+             "probs": jax.lax.stop_gradient(probs_MX), "biases": biases_X}
     return (*out, stats)

@@ -22,6 +22,7 @@ from flax import nnx
 from zaya_jax import kernels
 from zaya_jax.model.config import ModelConfig
 from zaya_jax.model.layers import RMSNorm, normal, ones, param, zeros
+from zaya_jax.model.quantile import BatchBalance
 
 
 class BalancingBias(nnx.Variable):
@@ -63,10 +64,14 @@ class Router(nnx.Module):
     route, r_MR, probs_MX = self.route(h_MD, r_prev_MR)
     return route.class_M, route.gate_M, r_MR, probs_MX
 
-  def route(self, h_MD: jax.Array, r_prev_MR: jax.Array, with_logits: bool = False):
+  def route(self, h_MD: jax.Array, r_prev_MR: jax.Array, with_logits: bool = False,
+            batch_balance: BatchBalance | None = None, valid_M: jax.Array | None = None):
     """`(kernels.RouteResult, r_MR, probs_MX)`: as `__call__`, plus (with the "routing"
     kernel) the permutation grouping tokens by class, for the MoE's local dispatch. With
-    `with_logits`, a fourth element: the float32 router logits `[M, X]` (for the z-loss)."""
+    `with_logits`, two more elements: the float32 router logits `[M, X]` (for the z-loss)
+    and the biases `[X]` the tokens were routed with: the stored `balancing_biases`, or,
+    with `batch_balance`, those it solves from these tokens' probabilities (`valid_M`: bool
+    [M], the tokens that count)."""
     h = h_MD.astype(jnp.float32)
     r_MR = h @ self.down_proj[...] + self.down_bias[...]
     r_MR = r_MR + r_prev_MR * self.router_states_scale[...]
@@ -75,7 +80,10 @@ class Router(nnx.Module):
     z = jax.nn.gelu(z @ self.fc2[...] + self.fc2_bias[...], approximate=False)
     logits_MX = z @ self.out_proj[...]
     probs_MX = jax.nn.softmax(logits_MX, axis=-1)
-    route = kernels.route(self.cfg, logits_MX, probs_MX, self.balancing_biases[...])
+    biases_X = self.balancing_biases[...]
+    if batch_balance is not None:
+      biases_X = batch_balance.solve(jax.lax.stop_gradient(probs_MX), valid_M, biases_X)
+    route = kernels.route(self.cfg, logits_MX, probs_MX, biases_X)
     if with_logits:
-      return route, r_MR, probs_MX, logits_MX
+      return route, r_MR, probs_MX, logits_MX, biases_X
     return route, r_MR, probs_MX

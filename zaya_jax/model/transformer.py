@@ -41,18 +41,19 @@ class ZayaLayer(nnx.Module):
     self.mlp = MoE(cfg, rngs=rngs)
     self.post_mlp_residual_scale = ResidualScale(d, rngs=rngs)
 
-  def __call__(self, x_BTD, r_prev_BTR, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS, sliding=False):
+  def __call__(self, x_BTD, r_prev_BTR, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS, sliding=False,
+               batch_balance=None):
     """`x_BTD` float32 residual, `r_prev_BTR` previous router state ->
     `(x_BTD, r_BTR, (counts_X, dropped, router_stats))` (routing statistics, see
-    `MoE.__call__` with `router_stats=True`).
+    `MoE.__call__` with `router_stats=True`; `batch_balance` as there).
     `mask_BTS` is None when attention runs as the Pallas kernel (`sliding` tells it the
     layer type)."""
     a_BTD = self.input_layernorm(x_BTD)
     o_BTD = self.self_attn(a_BTD, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS, sliding)
     x_BTD = self.post_attention_residual_scale(o_BTD, x_BTD)
     b_BTD = self.post_attention_layernorm(x_BTD)
-    y_BTD, r_BTR, counts_X, dropped, router_stats = self.mlp(b_BTD, r_prev_BTR, segment_ids_BT,
-                                                             router_stats=True)
+    y_BTD, r_BTR, counts_X, dropped, router_stats = self.mlp(
+        b_BTD, r_prev_BTR, segment_ids_BT, router_stats=True, batch_balance=batch_balance)
     x_BTD = self.post_mlp_residual_scale(y_BTD, x_BTD)
     return x_BTD, r_BTR, (counts_X, dropped, router_stats)
 
@@ -82,7 +83,9 @@ class ZayaForCausalLM(nnx.Module):
   `"dropped_tokens": float32 [L]` (non-padding tokens dropped by a capacity-limited dispatch),
   and means over non-padding tokens `"router_entropy": float32 [L]` (-sum_x p log p, nats),
   `"router_mean_probs": float32 [L, X]` (router softmax), `"router_z2": float32 [L]`
-  (logsumexp(router logits)^2)}; the router ones are differentiable (auxiliary losses).
+  (logsumexp(router logits)^2)}; the router ones are differentiable (auxiliary losses);
+  and `"router_probs": float32 [L, B*T, X]`, every token's router softmax (no gradient; for
+  quantile balancing, dropped by XLA when unused).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -107,9 +110,12 @@ class ZayaForCausalLM(nnx.Module):
     logits_BTV = self.lm_head(x_BTD)
     return (logits_BTV, aux) if return_aux else logits_BTV
 
-  def backbone(self, input_ids, segment_ids=None, positions=None):
+  def backbone(self, input_ids, segment_ids=None, positions=None, batch_balance=None):
     """Everything before the LM head: `(x_BTD, aux)`, the float32 residual after the last
-    layer (before the final norm) and the aux dict of `__call__(..., return_aux=True)`.
+    layer (before the final norm) and the aux dict of `__call__(..., return_aux=True)`, plus
+    `"routing_biases"` float32 [L, X], the biases each layer routed with: the stored ones,
+    or with `batch_balance` (a `zaya_jax.model.quantile.BatchBalance`, for training) those
+    solved from this batch's router probabilities.
     The training loss takes it to `head_inputs` and a fused LM head + cross-entropy
     (`zaya_jax.train.step.linear_cross_entropy`), never building the `[B, T, V]` logits."""
     cfg = self.cfg
@@ -146,7 +152,7 @@ class ZayaForCausalLM(nnx.Module):
       x, r = carry
       pick = lambda s, f: None if f is None else jnp.where(sliding, s, f)
       x, r, stats = layer(x, r, segment_ids_BT, pick(cos_s, cos_f), pick(sin_s, sin_f),
-                          pick(mask_s, mask_f), sliding)
+                          pick(mask_s, mask_f), sliding, batch_balance)
       return (x, r), stats
 
     if cfg.remat:
@@ -159,7 +165,8 @@ class ZayaForCausalLM(nnx.Module):
 
     return x_BTD, {"expert_counts": counts_LX, "dropped_tokens": dropped_L,
                    "router_entropy": router_L["entropy"],
-                   "router_mean_probs": router_L["mean_probs"], "router_z2": router_L["z2"]}
+                   "router_mean_probs": router_L["mean_probs"], "router_z2": router_L["z2"],
+                   "router_probs": router_L["probs"], "routing_biases": router_L["biases"]}
 
   # Step 3: final norm and the tied LM head.
   def head_inputs(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:

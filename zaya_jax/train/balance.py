@@ -1,10 +1,23 @@
 # Shape letters: L X E (see zaya_jax/__init__.py).
-"""Aux-loss-free load balancing: a PID controller on the router's balancing biases.
+"""Aux-loss-free load balancing: the router's balancing biases, moved outside the gradient.
 
 The router picks `argmax(softmax(logits) + b)` per token (zaya_jax/model/router.py); the
 biases `b` [L, X] (`BalancingBias`, in `TrainState.model_state`) never see a gradient. After
-each train step's forward, `update_biases` moves them from that step's routing counts so that
-the next steps route evenly (paper §2, DeepSeek-V3's "auxiliary-loss-free" balancing).
+each train step's forward, `update_model_state` moves them from that step's routing over the
+whole global batch, for the next step (paper §2; DeepSeek-V3's "auxiliary-loss-free"
+balancing; ZAYA1-8B report §II-A.2). Four rules (`balance.mode`):
+
+  "quantile"  the biases that would have routed this batch exactly evenly, solved from the
+              batch's router probabilities (zaya_jax/model/quantile.py), applied to the next
+              batch; optional EMA `b <- ema * b + (1 - ema) * solved`. With
+              `quantile_apply="current"` each layer solves them from the batch it routes and
+              routes that batch with them (even to a token every step); the stored biases
+              (for evaluation and export) are the last solve's.
+  "adamw"     ZAYA1's rule: an AdamW of its own (`balance.adamw_*`) on the biases, with the
+              "gradient" g[l, x] = share[l, x] - 1/E = -e[l, x] (error below).
+  "pid"       delta = kp * e + ki * integral + kd * (e - e_prev),
+              integral <- clip(integral + e, -integral_clamp, integral_clamp) (anti-windup).
+  "sign"      delta = rate * sign(e)   (DeepSeek-V3; integral stays 0).
 
 Error (a fraction of tokens, in [-1, 1]), per layer l, from `counts[l, x]` (non-padding tokens
 routed to class x this step, summed over the whole global batch):
@@ -15,18 +28,22 @@ routed to class x this step, summed over the whole global batch):
     only with `balance.skip_target` >= 0; otherwise 0 and the skip bias keeps its value.
   A layer with no (expert-routed) tokens this step has error 0.
 
-Update (velocity form: the bias is the controller's output, the update its increment):
-  "pid":   integral <- clip(integral + e, -integral_clamp, integral_clamp)   (anti-windup)
-           delta     = kp * e + ki * integral + kd * (e - e_prev)
-  "sign":  delta     = rate * sign(e)   (DeepSeek-V3; integral stays 0)
+For "adamw", "pid" and "sign" the bias moves by the increment `delta` (velocity form):
   experts: delta[l, :E] -= mean_x delta[l, :E]  (centred: the expert updates never shift the
            experts' mean bias against the skip bias, so they do not move tokens to or from the
            skip class; the skip controller alone does that)
   b <- b + delta, then clip to [-bias_clamp, bias_clamp] if bias_clamp > 0; e_prev <- e.
-Because the bias accumulates the increments, `kp` acts as the integral gain of a classic PID on
-the bias, `kd` as its proportional gain and `ki` as a second integrator (keep it small). A
-skipped (non-finite) step, or `balance.enabled=False`, changes neither biases nor controller
-state. Bias units are probability units (they are added to softmax probabilities).
+For "pid", because the bias accumulates the increments, `kp` acts as the integral gain of a
+classic PID on the bias, `kd` as its proportional gain and `ki` as a second integrator. The
+skip class, in every mode: its bias stays at its initial value (-1: the skip class then
+practically never wins) unless `skip_target` is set, in which case the same rule drives the
+skip share to that target. A skipped (non-finite) step, or `balance.enabled=False`, changes
+neither biases nor controller state. Bias units are probability units (added to softmax
+probabilities), so exports keep HF's `argmax(p + b)` layout.
+
+The controller state (`init_balance_state`) has the same leaves in every mode (the PID's
+integral and last error, the AdamW moments and count), so a run may change `balance.mode` on
+resume; it is checkpointed with the step (`train_meta`).
 
 Optional auxiliary losses, for comparison (coefficients default 0, i.e. off):
   router z-loss   mean over layers of mean over tokens of logsumexp(logits)^2;
@@ -40,18 +57,29 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from zaya_jax.config import BalanceConfig
 from zaya_jax.model.router import BalancingBias
+from zaya_jax.model.quantile import quantile_biases
 
-BalanceState = dict[str, jax.Array]  # {"integral": float32 [L, X], "prev_error": float32 [L, X]}
+# {"integral", "prev_error": float32 [L, X], "adamw": the optax AdamW state over [L, X] biases}
+BalanceState = dict[str, Any]
+
+
+def bias_optimizer(cfg: BalanceConfig) -> optax.GradientTransformation:
+  """The biases' own AdamW ("adamw" mode): `balance.adamw_lr`, betas, eps, weight decay."""
+  return optax.adamw(cfg.adamw_lr, b1=cfg.adamw_b1, b2=cfg.adamw_b2, eps=cfg.adamw_eps,
+                     weight_decay=cfg.adamw_weight_decay)
 
 
 def init_balance_state(num_layers: int, num_classes: int) -> BalanceState:
-  """Zero controller state: `integral` and `prev_error`, float32 [L, X] (X = E + 1)."""
+  """Zero controller state, the same leaves for every mode: `integral`, `prev_error` float32
+  [L, X] (X = E + 1), and `adamw`, the AdamW state (count int32 [], moments float32 [L, X])."""
   zeros = lambda: jnp.zeros((num_layers, num_classes), jnp.float32)
-  return {"integral": zeros(), "prev_error": zeros()}
+  return {"integral": zeros(), "prev_error": zeros(),
+          "adamw": bias_optimizer(BalanceConfig(mode="adamw")).init(zeros())}
 
 
 def _is_bias(x: Any) -> bool:
@@ -101,7 +129,8 @@ def balance_error(counts_LX: jax.Array, skip_target: float | None) -> jax.Array:
 def controller_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
                     counts_LX: jax.Array,
                     apply: jax.Array | bool = True) -> tuple[jax.Array, BalanceState]:
-  """One controller update: `(new biases [L, X], new state)` from this step's counts.
+  """One "pid", "sign" or "adamw" update: `(new biases [L, X], new state)` from this step's
+  counts (module docstring).
 
   Args:
     cfg: the `balance` config group.
@@ -116,33 +145,91 @@ def controller_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceStat
   """
   if not cfg.enabled:
     return biases_LX, state
+  if cfg.mode == "quantile":
+    raise ValueError("controller_step takes the 'pid', 'sign' and 'adamw' modes; "
+                     "'quantile' needs the router probabilities (quantile_step)")
   e = biases_LX.shape[-1] - 1
   err_LX = balance_error(counts_LX, cfg.skip_target)
-  integral_LX = state["integral"]
+  integral_LX, adamw_state = state["integral"], state["adamw"]
   if cfg.mode == "sign":
     delta_LX = cfg.rate * jnp.sign(err_LX)
+  elif cfg.mode == "adamw":  # the gradient of the ZAYA1 rule: share - target = -error
+    delta_LX, adamw_state = bias_optimizer(cfg).update(-err_LX, adamw_state, biases_LX)
   else:
     integral_LX = jnp.clip(integral_LX + err_LX, -cfg.integral_clamp, cfg.integral_clamp)
     delta_LX = cfg.kp * err_LX + cfg.ki * integral_LX + cfg.kd * (err_LX - state["prev_error"])
   expert_LE = delta_LX[:, :e] - jnp.mean(delta_LX[:, :e], axis=-1, keepdims=True)
-  skip_on = cfg.skip_target is not None and cfg.skip_target >= 0
+  skip_on = cfg.skip_controlled
   skip_L1 = delta_LX[:, e:] if skip_on else jnp.zeros_like(delta_LX[:, e:])
   new_LX = biases_LX + jnp.concatenate([expert_LE, skip_L1], axis=-1)
   if cfg.bias_clamp > 0:
     clipped = jnp.clip(new_LX, -cfg.bias_clamp, cfg.bias_clamp)
     controlled_X = jnp.arange(e + 1) < (e + 1 if skip_on else e)
     new_LX = jnp.where(controlled_X, clipped, new_LX)
-  new_state = {"integral": integral_LX, "prev_error": err_LX}
+  new_state = {"integral": integral_LX, "prev_error": err_LX, "adamw": adamw_state}
   keep = lambda new, old: jnp.where(apply, new, old)
   return keep(new_LX, biases_LX), jax.tree.map(keep, new_state, state)
 
 
+def quantile_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
+                  probs_LMX: jax.Array, valid_M: jax.Array, apply: jax.Array | bool = True,
+                  solved_LX: jax.Array | None = None) -> tuple[jax.Array, BalanceState]:
+  """One "quantile" update: `(biases for the next step [L, X], state)` (state unchanged).
+
+  With `quantile_apply="current"` the model already solved the biases while routing this
+  batch (`solved_LX`, `zaya_jax.model.quantile.BatchBalance`); they are stored (with the EMA)
+  for evaluation, export and the next step's warm start.
+
+  Args:
+    cfg: the `balance` config group (`quantile_ema`, `quantile_sweeps`, `skip_target`,
+      `bias_clamp`).
+    biases_LX: float32 current balancing biases (skip class last): the solve's warm start.
+    state: controller state (passed through).
+    probs_LMX: float32 router softmax of every token of this step's global batch, per layer.
+    valid_M: bool, True for non-padding tokens.
+    apply: bool []; where false (a skipped, non-finite step) the biases stay as they are.
+    solved_LX: the biases the batch was routed with ("current"); None: solve them here.
+  """
+  if not cfg.enabled:
+    return biases_LX, state
+  if solved_LX is None:
+    solved_LX = quantile_biases(jax.lax.stop_gradient(probs_LMX), valid_M, biases_LX,
+                                cfg.skip_target, cfg.quantile_sweeps)
+  new_LX = cfg.quantile_ema * biases_LX + (1.0 - cfg.quantile_ema) * solved_LX
+  if cfg.bias_clamp > 0:
+    e = biases_LX.shape[-1] - 1
+    controlled_X = jnp.arange(e + 1) < (e + 1 if cfg.skip_controlled else e)
+    new_LX = jnp.where(controlled_X, jnp.clip(new_LX, -cfg.bias_clamp, cfg.bias_clamp), new_LX)
+  return jnp.where(apply, new_LX, biases_LX), state
+
+
 def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: BalanceState,
-                       counts_LX: jax.Array,
-                       apply: jax.Array | bool = True) -> tuple[nnx.State, BalanceState]:
-  """`controller_step` on the biases inside `model_state`: `(new model_state, new state)`."""
+                       counts_LX: jax.Array, apply: jax.Array | bool = True,
+                       probs_LMX: jax.Array | None = None, valid_M: jax.Array | None = None,
+                       routing_biases_LX: jax.Array | None = None
+                       ) -> tuple[nnx.State, BalanceState]:
+  """The `balance.mode` update of the biases inside `model_state`: `(new model_state, state)`.
+
+  Args:
+    counts_LX: float32 non-padding tokens routed to each class this step (global batch).
+    apply: bool []; false for a skipped (non-finite) step: nothing changes.
+    probs_LMX, valid_M: the router probabilities of every token and the non-padding mask
+      (`quantile_step`); needed by "quantile" only.
+    routing_biases_LX: the biases the batch was routed with (the model's aux); used by
+      "quantile" with `quantile_apply="current"`, where the model solved them.
+
+  Raises:
+    ValueError: "quantile" mode without `probs_LMX` / `valid_M` (or, with "current",
+      `routing_biases_LX`).
+  """
   biases_LX = get_biases(model_state)
-  new_LX, new_state = controller_step(cfg, biases_LX, state, counts_LX, apply)
+  if cfg.mode == "quantile":
+    solved = routing_biases_LX if cfg.quantile_apply == "current" else None
+    if solved is None and (probs_LMX is None or valid_M is None):
+      raise ValueError("balance.mode='quantile' needs the router probabilities of the batch")
+    new_LX, new_state = quantile_step(cfg, biases_LX, state, probs_LMX, valid_M, apply, solved)
+  else:
+    new_LX, new_state = controller_step(cfg, biases_LX, state, counts_LX, apply)
   return set_biases(model_state, new_LX), new_state
 
 
@@ -152,6 +239,9 @@ def load_stats(counts_LX: jax.Array) -> dict[str, jax.Array]:
   Returns:
     `max_over_mean` [L]: max over experts of the expert load / mean expert load (1 = perfect
     balance, E = all expert-routed tokens on one expert; 1 for a layer with no expert tokens),
+    `load_entropy` [L]: normalised router-load entropy H(q) / ln E of the expert shares q of
+    the expert-routed tokens (ZAYA1-8B report, Fig. 4: 1 = uniform, 0 = one expert; 1 for a
+    layer with no expert tokens),
     `skip_rate` [L]: fraction of non-padding tokens routed to the skip class.
   """
   counts_LX = counts_LX.astype(jnp.float32)
@@ -159,8 +249,11 @@ def load_stats(counts_LX: jax.Array) -> dict[str, jax.Array]:
   expert_LE = counts_LX[:, :e]
   mean_L = jnp.mean(expert_LE, axis=-1)
   max_over_mean = jnp.where(mean_L > 0, jnp.max(expert_LE, axis=-1) / jnp.maximum(mean_L, 1e-30), 1.0)
+  q_LE = expert_LE / jnp.maximum(jnp.sum(expert_LE, axis=-1, keepdims=True), 1e-30)
+  entropy_L = -jnp.sum(jnp.where(q_LE > 0, q_LE * jnp.log(jnp.where(q_LE > 0, q_LE, 1.0)), 0.0), -1)
+  load_entropy = jnp.where(mean_L > 0, entropy_L / jnp.log(float(e)), 1.0)
   skip_rate = counts_LX[:, e] / jnp.maximum(jnp.sum(counts_LX, axis=-1), 1.0)
-  return {"max_over_mean": max_over_mean, "skip_rate": skip_rate}
+  return {"max_over_mean": max_over_mean, "load_entropy": load_entropy, "skip_rate": skip_rate}
 
 
 def aux_losses(aux: dict[str, jax.Array], num_experts: int) -> dict[str, jax.Array]:

@@ -342,10 +342,11 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
         })
         if is_main:
           logging.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | "
-                       "max/mean load %.2f | skip %.3f | router entropy %.3f%s",
+                       "max/mean load %.2f | load entropy %.3f | skip %.3f | router entropy %.3f%s",
                        step, train.num_steps, m["loss"], m["lr"], m["grad_norm"],
                        "-" if tok_s is None else f"{tok_s:.0f}",
-                       m["balance/max_over_mean_max"], m["balance/skip_rate_mean"],
+                       m["balance/max_over_mean_max"], m["balance/load_entropy_min"],
+                       m["balance/skip_rate_mean"],
                        m["router/entropy_mean"],
                        f" | {int(m['skipped_steps'])} skipped" if m["skipped_steps"] else "")
         window_start, window_steps = time.perf_counter(), 0

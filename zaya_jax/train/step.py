@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from zaya_jax.config import BalanceConfig
+from zaya_jax.model.quantile import BatchBalance
 from zaya_jax.train import balance as balance_lib
 from zaya_jax.train.optim import update_or_skip
 from zaya_jax.train.state import TrainState
@@ -29,10 +30,11 @@ from zaya_jax.train.state import TrainState
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 # Balancing / router metrics of `train_step` that the loop writes to the "train" records.
-BALANCE_SCALARS = ("balance/max_over_mean_max", "balance/skip_rate_mean", "router/entropy_mean",
-                   "router/z_loss", "router/load_balance_loss")  # float32 []
-BALANCE_PER_LAYER = ("balance/max_over_mean", "balance/skip_rate", "router/entropy",
-                     "balance/biases")  # [L] ([L, X] for the biases)
+BALANCE_SCALARS = ("balance/max_over_mean_max", "balance/load_entropy_min",
+                   "balance/skip_rate_mean", "router/entropy_mean", "router/z_loss",
+                   "router/load_balance_loss")  # float32 []
+BALANCE_PER_LAYER = ("balance/max_over_mean", "balance/load_entropy", "balance/skip_rate",
+                     "router/entropy", "balance/biases")  # [L] ([L, X] for the biases)
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array,
@@ -163,14 +165,26 @@ def linear_cross_entropy(y_BTD: jax.Array, w_VD: jax.Array, bias_V: jax.Array | 
   return total, jnp.sum(mask_BT)
 
 
-def _forward(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, batch: Batch):
+def batch_balance_of(cfg: BalanceConfig | None) -> BatchBalance | None:
+  """The in-step bias solve of `balance.mode="quantile"` with `quantile_apply="current"`,
+  else None (the model routes with its stored biases)."""
+  if cfg is None or not cfg.enabled or cfg.mode != "quantile" or cfg.quantile_apply != "current":
+    return None
+  return BatchBalance(cfg.skip_target, cfg.quantile_sweeps)
+
+
+def _forward(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, batch: Batch,
+             batch_balance: BatchBalance | None = None):
   """`(loss_sum, tokens, aux)` of the model on one batch (aux: expert_counts [L, X],
-  dropped_tokens [L], router_entropy [L], router_mean_probs [L, X], router_z2 [L])."""
+  dropped_tokens [L], router_entropy [L], router_mean_probs [L, X], router_z2 [L],
+  router_probs [L, M, X], routing_biases [L, X]); `batch_balance`: see `ZayaForCausalLM
+  .backbone`."""
   # copy=True: fresh Variables at the current trace level. The balancing biases come from the
   # jit trace while `params` come from the grad trace; nnx.scan inside the model refuses
   # Variables created at another trace level.
   model = nnx.merge(graphdef, params, model_state, copy=True)
-  x_BTD, aux = model.backbone(batch["inputs"], batch["segment_ids"], batch["positions"])
+  x_BTD, aux = model.backbone(batch["inputs"], batch["segment_ids"], batch["positions"],
+                              batch_balance)
   loss_sum, tokens = linear_cross_entropy(*model.head_inputs(x_BTD), batch["targets"],
                                           batch["loss_mask"])
   return loss_sum, tokens, aux
@@ -192,7 +206,7 @@ def _objective(graphdef, params, model_state, batch: Batch, cfg: BalanceConfig |
   z-loss; the switch balance loss, a product of two means, is taken per micro-batch, as
   Megatron-LM does). Returns `(objective, (loss_sum, aux, router))`.
   """
-  loss_sum, _, aux = _forward(graphdef, params, model_state, batch)
+  loss_sum, _, aux = _forward(graphdef, params, model_state, batch, batch_balance_of(cfg))
   router = balance_lib.aux_losses(aux, aux["expert_counts"].shape[-1] - 1)
   objective = loss_sum / total_tokens
   if cfg is not None and cfg.router_z_loss:
@@ -227,13 +241,21 @@ def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceCon
   Aux of several micro-batches: `expert_counts` and `dropped_tokens` summed (so the
   balancing controller sees the whole batch's counts); `router_entropy` and the router
   losses, means over non-padding tokens, averaged with each micro-batch's share of them.
+  With "quantile" balancing, aux also holds every token's `router_probs` [L, M, X] (all
+  micro-batches') and `valid` bool [M] (non-padding), in the same token order, and
+  `routing_biases` [L, X] (with `quantile_apply="current"` the mean over micro-batches of
+  the biases each solved for itself).
   """
   tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
   total = jnp.maximum(tokens, 1.0)
   grad_fn = jax.value_and_grad(_objective, argnums=1, has_aux=True)
+  need_probs = cfg is not None and cfg.enabled and cfg.mode == "quantile" and (
+      cfg.quantile_apply == "next")
   if num_micro == 1:
     (objective, (loss_sum, aux, router)), grads = grad_fn(
         graphdef, params, model_state, batch, cfg, total, 1.0)
+    if need_probs:
+      aux = {**aux, "valid": batch["segment_ids"].reshape(-1) > 0}
     return (objective, loss_sum / total, tokens, aux, router), grads
 
   non_padding = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1).astype(jnp.float32)
@@ -247,16 +269,25 @@ def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceCon
     parts = {"objective": objective, "loss_sum": loss_sum,
              "expert_counts": aux["expert_counts"], "dropped_tokens": aux["dropped_tokens"],
              "router_entropy": aux["router_entropy"] * weight,
+             "routing_biases": aux["routing_biases"] / num_micro,
              **{k: v * weight for k, v in router.items()}}
-    return parts, grads
+    return (parts, grads), aux["router_probs"] if need_probs else None
+
+  def body(carry, micro):
+    summed, probs = micro_parts(micro)
+    return jax.tree.map(jnp.add, carry, summed), probs
 
   micros = micro_batches(batch, num_micro)
-  shapes = jax.eval_shape(micro_parts, jax.tree.map(lambda x: x[0], micros))
+  shapes = jax.eval_shape(micro_parts, jax.tree.map(lambda x: x[0], micros))[0]
   init = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-  (parts, grads), _ = jax.lax.scan(
-      lambda carry, micro: (jax.tree.map(jnp.add, carry, micro_parts(micro)), None), init, micros)
+  (parts, grads), probs_nLMX = jax.lax.scan(body, init, micros)
   router = {k: parts[k] for k in ("z_loss", "load_balance")}
-  aux = {k: parts[k] for k in ("expert_counts", "dropped_tokens", "router_entropy")}
+  aux = {k: parts[k] for k in ("expert_counts", "dropped_tokens", "router_entropy",
+                               "routing_biases")}
+  if need_probs:  # tokens in micro-batch order, matching the flattened micro-batch masks
+    n, l, m, x = probs_nLMX.shape
+    aux["router_probs"] = jnp.moveaxis(probs_nLMX, 0, 1).reshape(l, n * m, x)
+    aux["valid"] = micros["segment_ids"].reshape(-1) > 0
   return (parts["objective"], parts["loss_sum"] / total, tokens, aux, router), grads
 
 
@@ -295,6 +326,7 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     `consecutive_skips` (after this update), `expert_load` [L, X], `moe/dropped_fraction`,
     `router/z_loss`, `router/load_balance_loss` (unweighted), and per layer
     `balance/max_over_mean` [L] (max / mean expert load, skip excluded),
+    `balance/load_entropy` [L] (normalised load entropy H / ln E of the expert shares),
     `balance/skip_rate` [L], `router/entropy` [L] (nats), `balance/biases` [L, X] (after
     this update), with summaries `balance/max_over_mean_max`, `balance/skip_rate_mean`,
     `router/entropy_mean` (float32 []).
@@ -314,7 +346,8 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     if balance_state is None:
       balance_state = balance_lib.init_balance_state(*counts_LX.shape)
     model_state, balance_state = balance_lib.update_model_state(
-        cfg, state.model_state, balance_state, jax.lax.stop_gradient(counts_LX), finite)
+        cfg, state.model_state, balance_state, jax.lax.stop_gradient(counts_LX), finite,
+        aux.get("router_probs"), aux.get("valid"), aux.get("routing_biases"))
   # Skipped: params and moments kept, optax's counters advance with the step (optim.py).
   params, opt_state = update_or_skip(tx, grads, state.opt_state, state.params, state.step, finite)
   skipped = (~finite).astype(jnp.int32)
@@ -343,6 +376,8 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       "router/load_balance_loss": router["load_balance"],
       "balance/max_over_mean": stats["max_over_mean"],
       "balance/max_over_mean_max": jnp.max(stats["max_over_mean"]),
+      "balance/load_entropy": stats["load_entropy"],
+      "balance/load_entropy_min": jnp.min(stats["load_entropy"]),
       "balance/skip_rate": stats["skip_rate"],
       "balance/skip_rate_mean": jnp.mean(stats["skip_rate"]),
       "router/entropy": entropy_L,

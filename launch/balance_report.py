@@ -1,0 +1,36 @@
+"""Load-balance table of training runs: `python -m launch.balance_report --workdirs=A,B,...
+[--first=200 --last=400 --entropy_steps=100,200,400]`.
+
+Each workdir is a `launch.train` run logged every step (`--config.train.log_every=1`); prints
+one Markdown row per run (zaya_jax/perf/balance_report.py: per-layer median and worst
+per-step max/mean expert load in the window, normalised load entropy at the given steps,
+skip rate, router entropy, train and eval loss).
+"""
+
+import sys
+
+from absl import app, flags
+
+from zaya_jax.perf import balance_report
+
+_WORKDIRS = flags.DEFINE_list("workdirs", None, "Comma-separated launch.train workdirs.")
+_FIRST = flags.DEFINE_integer("first", 200, "First step of the window (inclusive).")
+_LAST = flags.DEFINE_integer("last", 400, "Last step of the window (inclusive).")
+_ENTROPY_STEPS = flags.DEFINE_list("entropy_steps", ["100", "200", "400"],
+                                   "Steps at which the normalised load entropy is reported.")
+flags.mark_flag_as_required("workdirs")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    steps = [int(s) for s in _ENTROPY_STEPS.value]
+    rows = [balance_report.summarize(w, _FIRST.value, _LAST.value, steps) for w in _WORKDIRS.value]
+  except (FileNotFoundError, ValueError) as e:
+    sys.exit(f"launch.balance_report: {e}")
+  print(balance_report.markdown_table(rows, _FIRST.value, _LAST.value))
+
+
+if __name__ == "__main__":
+  app.run(main)
