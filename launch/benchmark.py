@@ -3,6 +3,8 @@
   python -m launch.benchmark --config=configs/bench_cpu.py
   python -m launch.benchmark --config=configs/bench_cpu.py --steps=10 --warmup=2 \
       --compare_transformers --out=/tmp/bench.json
+  python -m launch.benchmark --config=configs/zaya1_tiny.py \
+      --compare_balance=quantile:next,quantile:current,adamw,none   # step-time ratios
 
 Batches are synthetic token ids (no data or tokenizer is read); batch and sequence length
 default to the config's train.batch_size and train.seq_len (override with
@@ -31,6 +33,9 @@ _COMPARE = flags.DEFINE_bool("compare_transformers", False,
                              "Also time transformers' ZayaForCausalLM and print the ratio.")
 _MATMUL = flags.DEFINE_integer("matmul_size", 2048, "n of the CPU peak matmul [n,n]@[n,n].",
                                lower_bound=1)
+_BALANCE = flags.DEFINE_list(
+    "compare_balance", None, "Instead: time the step under these balancing variants in one "
+    "process (none, pid, sign, adamw, quantile:current, quantile:next), ratios to the first.")
 _OUT = flags.DEFINE_string("out", None, "Write the figures to this JSON file.")
 flags.mark_flags_as_required(["config"])
 
@@ -42,6 +47,16 @@ def main(argv):
     cfgs = benchmark.bench_configs(_CONFIG.value)
   except ConfigError as e:
     sys.exit(f"invalid config: {e}")
+  if _BALANCE.value:
+    try:
+      r = benchmark.compare_balance(cfgs, _BALANCE.value, steps=_STEPS.value,
+                                    warmup=_WARMUP.value, log=lambda line: print(line, flush=True))
+    except ValueError as e:
+      sys.exit(f"invalid arguments: {e}")
+    for v in r["variants"]:
+      print(f"{v:>18}: {1e3 * r['step_s'][v]:8.1f} ms/step  "
+            f"{r['tokens_per_step'] / r['step_s'][v]:8.0f} tokens/s  x{r['ratio'][v]:.3f}")
+    return
   try:
     result = benchmark.run(cfgs, steps=_STEPS.value, warmup=_WARMUP.value,
                            compare=_COMPARE.value, matmul_size=_MATMUL.value,

@@ -253,6 +253,69 @@ def run(cfgs: BenchConfigs, *, steps: int, warmup: int, compare: bool = False,
   return result
 
 
+def parse_balance_variant(text: str) -> BalanceConfig:
+  """`"none"`, a `balance.mode`, or `"quantile:next"` / `"quantile:current"` -> BalanceConfig.
+
+  Raises:
+    ValueError: an unknown variant (naming the accepted ones).
+  """
+  if text == "none":
+    return BalanceConfig(enabled=False)
+  mode, _, apply = text.partition(":")
+  try:
+    return BalanceConfig(mode=mode, **({"quantile_apply": apply} if apply else {}))
+  except ValueError as e:
+    raise ValueError(f"--compare_balance entry {text!r}: {e} (e.g. none, pid, sign, adamw, "
+                     "quantile:current, quantile:next)") from e
+
+
+def compare_balance(cfgs: BenchConfigs, variants: list[str], *, steps: int, warmup: int,
+                    rounds: int = 3, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Median step time of the training step under each balancing variant, in one process.
+
+  Each variant's step is compiled and warmed up, then the variants are timed in turn,
+  `rounds` times `steps` steps each (interleaved, so a change of the machine's load hits them
+  alike); `ratio` is each variant's median over the first variant's.
+
+  Returns:
+    `{"variants": [...], "step_s": {variant: median seconds}, "ratio": {variant: float},
+    "tokens_per_step": int}`.
+
+  Raises:
+    ValueError: an unknown variant, or a mesh that does not divide the config.
+  """
+  balances = {v: parse_balance_variant(v) for v in variants}
+  batch_size, seq_len = cfgs.train.batch_size, cfgs.train.seq_len
+  mesh = make_mesh(cfgs.mesh)
+  check_divisibility(mesh, num_experts=cfgs.model.num_experts,
+                     hidden_size=cfgs.model.hidden_size, batch_size=batch_size,
+                     grad_accum_steps=cfgs.train.grad_accum_steps)
+  times: dict[str, list[float]] = {v: [] for v in variants}
+  with use_mesh(mesh):
+    batch = synthetic_batch(cfgs.model, batch_size, seq_len, mesh)
+    runs = {}
+    for v, bal in balances.items():
+      log(f"compiling the train step with balancing {v} ...")
+      built = setup_training(cfgs.model, cfgs.train, mesh, bal)
+      state = init_train_state(cfgs.model, built.tx, cfgs.train.seed, mesh)
+      state, metrics = built.step(state, batch)
+      jax.block_until_ready(metrics)
+      runs[v] = [built.step, state]
+    for _ in range(rounds):
+      for v in variants:
+        step, state = runs[v]
+        for i in range(warmup + steps):
+          start = time.perf_counter()
+          state, metrics = step(state, batch)
+          jax.block_until_ready((state, metrics))
+          if i >= warmup:
+            times[v].append(time.perf_counter() - start)
+        runs[v][1] = state
+  step_s = {v: statistics.median(t) for v, t in times.items()}
+  return {"variants": variants, "step_s": step_s, "tokens_per_step": batch_size * seq_len,
+          "ratio": {v: step_s[v] / step_s[variants[0]] for v in variants}}
+
+
 def format_report(r: dict[str, Any]) -> str:
   """The result as aligned `name: value unit` lines."""
   lines = [

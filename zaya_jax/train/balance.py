@@ -251,7 +251,7 @@ def load_stats(counts_LX: jax.Array) -> dict[str, jax.Array]:
   max_over_mean = jnp.where(mean_L > 0, jnp.max(expert_LE, axis=-1) / jnp.maximum(mean_L, 1e-30), 1.0)
   q_LE = expert_LE / jnp.maximum(jnp.sum(expert_LE, axis=-1, keepdims=True), 1e-30)
   entropy_L = -jnp.sum(jnp.where(q_LE > 0, q_LE * jnp.log(jnp.where(q_LE > 0, q_LE, 1.0)), 0.0), -1)
-  load_entropy = jnp.where(mean_L > 0, entropy_L / jnp.log(float(e)), 1.0)
+  load_entropy = jnp.where(mean_L > 0, jnp.clip(entropy_L / jnp.log(float(e)), 0.0, 1.0), 1.0)
   skip_rate = counts_LX[:, e] / jnp.maximum(jnp.sum(counts_LX, axis=-1), 1.0)
   return {"max_over_mean": max_over_mean, "load_entropy": load_entropy, "skip_rate": skip_rate}
 
