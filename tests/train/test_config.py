@@ -98,7 +98,7 @@ def test_synthetic_configs_skip_the_data_group_but_check_the_rest():
   from configs import zaya1_base
   from zaya_jax.config import synthetic_configs
   model, train, mesh, balance = synthetic_configs(zaya1_base.get_config())
-  assert (model.num_experts, train.grad_accum_steps, mesh.fsdp, balance.mode) == (16, 1, -1, "pid")
+  assert (model.num_experts, train.grad_accum_steps, mesh.fsdp, balance.mode) == (16, 1, -1, "quantile")
   config = zaya1_base.get_config()
   config.train.grad_accum_steps = 3  # 256 sequences do not split into 3 micro-batches
   with pytest.raises(ConfigError, match="train.grad_accum_steps"):
