@@ -144,9 +144,11 @@ def summarize(src: str, step: int | None = None, verify: bool = True) -> str:
           f"{k}={np.asarray(v).tolist()}" for k, v in sorted(small.items())))
       for k, v in sorted(meta.items()):  # e.g. the balancing controller's [L, X] state
         if isinstance(v, dict):
+          leaves = jax.tree_util.tree_leaves_with_path(v)  # nested: the bias AdamW's state
           lines.append(f"train_meta.{k}: " + ", ".join(
-              f"{n} {np.asarray(a).dtype}{list(np.shape(a))} max|.|={np.max(np.abs(a)):.4g}"
-              for n, a in sorted(v.items())))
+              f"{jax.tree_util.keystr(n, simple=True, separator='.')} {np.asarray(a).dtype}"
+              f"{list(np.shape(a))} max|.|={np.max(np.abs(np.asarray(a))):.4g}"
+              for n, a in leaves))
     if "config" in items:
       config = json_out["config"]
       for key in ("runtime", "reshape"):

@@ -199,21 +199,22 @@ def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(mesh_runs,
   with 2 micro-batches. "adamw" biases depend on the counts only: equal bit for bit.
   "quantile" biases are midpoints between two tokens' margins, and the router
   probabilities themselves differ by float32 rounding between layouts (XLA:CPU blocks the
-  router matmuls by the per-device batch): equal to 1e-6 (observed <= 1e-7).
+  router matmuls by the per-device batch), and each step's training moves them apart a
+  little more: equal to 1e-5 (observed <= 2.3e-6 after 3 steps).
   "quantile_current" solves each micro-batch for itself, so with 2 micro-batches its counts
-  are each micro-batch's even split (within 2 tokens of the whole batch's), not equal."""
+  are the sum of two even splits of 52 tokens (6 or 7 per expert, +-1 each): within 4."""
   runs = dict(mesh_runs[mode])
   ref = runs["1 device"]
   assert len(np.unique(np.asarray(ref["counts"])[-1, 0])) > 2  # several classes chosen
   if mode == "quantile_current":
     accum = np.asarray(runs.pop("1 device, accum 2")["counts"])[:, :, :-1]
-    assert np.all(accum.max(-1) - accum.min(-1) <= 2)
+    assert np.all(accum.max(-1) - accum.min(-1) <= 4)
   for name, got in runs.items():
     np.testing.assert_array_equal(got["counts"], ref["counts"], err_msg=name)
     if mode == "adamw":
       np.testing.assert_array_equal(got["biases"], ref["biases"], err_msg=name)
     else:
-      np.testing.assert_allclose(got["biases"], ref["biases"], rtol=0, atol=1e-6, err_msg=name)
+      np.testing.assert_allclose(got["biases"], ref["biases"], rtol=0, atol=1e-5, err_msg=name)
   if mode == "quantile_current":  # every step's routing was solved for that step's batch
     counts = np.asarray(ref["counts"])[:, :, :-1]
     assert np.all(counts.max(-1) - counts.min(-1) <= 2)

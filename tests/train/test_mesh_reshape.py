@@ -83,6 +83,9 @@ BIASES = np.array([[0.0, -0.5, 0.0, -0.5, -0.5],
 
 OVERRIDES = [
     *MODEL_OVERRIDES,
+    # The PID controller moves the biases by ~1e-2 in N steps (module docstring), so the
+    # restored `BIASES` still decide the routing after the resume.
+    "--config.balance.mode=pid",
     "--config.train.seq_len=32",
     "--config.train.batch_size=8",  # divisible by data * fsdp * expert = 8
     f"--config.train.num_steps={2 * N}",  # the LR schedule spans 2N in every run

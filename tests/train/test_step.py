@@ -183,7 +183,7 @@ def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   train_cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-2, batch_size=4, seq_len=12)
   graphdef, params_shape, _ = abstract_model(model_cfg, seed=0)
   tx = make_optimizer(train_cfg, params_shape)
-  bal = BalanceConfig(mode=mode, kp=0.05, router_z_loss=1e-2)
+  bal = BalanceConfig(mode=mode, kp=0.05, router_z_loss=1e-2, quantile_apply="next")
   rng = np.random.default_rng(3)
   batch = {k: np.concatenate([a, b]) for (k, a), b in
            zip(random_batch(rng).items(), random_batch(rng).values())}
