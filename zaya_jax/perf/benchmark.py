@@ -105,9 +105,11 @@ def peak_memory_bytes() -> tuple[int, str]:
   return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
 
 
-def time_steps(step: Callable, state: Any, batch: Any, steps: int, warmup: int) -> list[float]:
+def time_steps(step: Callable, state: Any, batch: Any, steps: int,
+               warmup: int) -> tuple[list[float], Any]:
   """Wall seconds of each of `steps` calls `state, _ = step(state, batch)` after `warmup`
-  untimed ones; every call is waited for (`jax.block_until_ready`)."""
+  untimed ones, every call waited for (`jax.block_until_ready`), and the last state (the
+  step donates its input, so a caller that times again must continue from it)."""
   times = []
   for i in range(warmup + steps):
     start = time.perf_counter()
@@ -115,7 +117,7 @@ def time_steps(step: Callable, state: Any, batch: Any, steps: int, warmup: int) 
     jax.block_until_ready((state, metrics))
     if i >= warmup:
       times.append(time.perf_counter() - start)
-  return times
+  return times, state
 
 
 def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, warmup: int,
@@ -156,7 +158,7 @@ def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, 
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - start
-    times = time_steps(step, state, batch, steps, warmup - 1)
+    times, _ = time_steps(step, state, batch, steps, warmup - 1)
     state = None  # donated above; free nothing else
   step_s = statistics.median(times)
   tokens = batch_size * seq_len
@@ -304,13 +306,8 @@ def compare_balance(cfgs: BenchConfigs, variants: list[str], *, steps: int, warm
     for _ in range(rounds):
       for v in variants:
         step, state = runs[v]
-        for i in range(warmup + steps):
-          start = time.perf_counter()
-          state, metrics = step(state, batch)
-          jax.block_until_ready((state, metrics))
-          if i >= warmup:
-            times[v].append(time.perf_counter() - start)
-        runs[v][1] = state
+        round_times, runs[v][1] = time_steps(step, state, batch, steps, warmup)
+        times[v].extend(round_times)
   step_s = {v: statistics.median(t) for v, t in times.items()}
   return {"variants": variants, "step_s": step_s, "tokens_per_step": batch_size * seq_len,
           "ratio": {v: step_s[v] / step_s[variants[0]] for v in variants}}

@@ -126,6 +126,16 @@ def balance_error(counts_LX: jax.Array, skip_target: float | None) -> jax.Array:
   return jnp.concatenate([err_LE, err_L1], axis=-1)
 
 
+def clamp_controlled(cfg: BalanceConfig, biases_LX: jax.Array) -> jax.Array:
+  """`biases_LX` [L, X] with the controlled classes (the experts, and the skip class when
+  `skip_target` is set) clipped to [-bias_clamp, bias_clamp]; unchanged if bias_clamp is 0."""
+  if cfg.bias_clamp <= 0:
+    return biases_LX
+  e = biases_LX.shape[-1] - 1
+  controlled_X = jnp.arange(e + 1) < (e + 1 if cfg.skip_controlled else e)
+  return jnp.where(controlled_X, jnp.clip(biases_LX, -cfg.bias_clamp, cfg.bias_clamp), biases_LX)
+
+
 def controller_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
                     counts_LX: jax.Array,
                     apply: jax.Array | bool = True) -> tuple[jax.Array, BalanceState]:
@@ -162,10 +172,7 @@ def controller_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceStat
   skip_on = cfg.skip_controlled
   skip_L1 = delta_LX[:, e:] if skip_on else jnp.zeros_like(delta_LX[:, e:])
   new_LX = biases_LX + jnp.concatenate([expert_LE, skip_L1], axis=-1)
-  if cfg.bias_clamp > 0:
-    clipped = jnp.clip(new_LX, -cfg.bias_clamp, cfg.bias_clamp)
-    controlled_X = jnp.arange(e + 1) < (e + 1 if skip_on else e)
-    new_LX = jnp.where(controlled_X, clipped, new_LX)
+  new_LX = clamp_controlled(cfg, new_LX)
   new_state = {"integral": integral_LX, "prev_error": err_LX, "adamw": adamw_state}
   keep = lambda new, old: jnp.where(apply, new, old)
   return keep(new_LX, biases_LX), jax.tree.map(keep, new_state, state)
@@ -196,11 +203,7 @@ def quantile_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
     solved_LX = quantile_biases(jax.lax.stop_gradient(probs_LMX), valid_M, biases_LX,
                                 cfg.skip_target, cfg.quantile_sweeps)
   new_LX = cfg.quantile_ema * biases_LX + (1.0 - cfg.quantile_ema) * solved_LX
-  if cfg.bias_clamp > 0:
-    e = biases_LX.shape[-1] - 1
-    controlled_X = jnp.arange(e + 1) < (e + 1 if cfg.skip_controlled else e)
-    new_LX = jnp.where(controlled_X, jnp.clip(new_LX, -cfg.bias_clamp, cfg.bias_clamp), new_LX)
-  return jnp.where(apply, new_LX, biases_LX), state
+  return jnp.where(apply, clamp_controlled(cfg, new_LX), biases_LX), state
 
 
 def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: BalanceState,
