@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
   `balance`."""
   config = ml_collections.ConfigDict()
 
-  # --- model: one field per zaya_jax.model.config.ModelConfig field, same names -------------
+  # --- model: one field per zaya_jax.config.model.ModelConfig field, same names -------------
   m = config.model = ml_collections.ConfigDict()
   m.vocab_size = 262272  # V, tokens in the embedding/LM head; >= tokenizer vocab (a multiple of 64 is faster on GPUs)
   m.hidden_size = 2048  # D, width of the residual stream

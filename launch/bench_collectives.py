@@ -22,9 +22,11 @@ import sys
 import jax
 from absl import app, flags
 
-from zaya_jax import distributed
-from zaya_jax.parallel.mesh import parse_meshes, use_cpu_devices
-from zaya_jax.perf import collectives, timing
+from zaya_jax.parallel import distributed
+from zaya_jax.config.mesh import parse_meshes
+from zaya_jax.parallel.mesh import use_cpu_devices
+from pallas_kernels import timing
+from zaya_jax.perf import collectives
 
 _OUT = flags.DEFINE_string("out", None, "Output folder for collectives.csv and collectives.png.")
 _COLLECTIVES = flags.DEFINE_list("collectives", list(collectives.COLLECTIVES),

@@ -23,9 +23,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from zaya_jax.config import build_group
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.perf import accelerators, gemm
-from zaya_jax.perf.timing import host_description
+from pallas_kernels.timing import host_description
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config whose model GEMMs to add, e.g. configs/zaya1_base.py.",

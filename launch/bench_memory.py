@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 
 from zaya_jax.perf import accelerators, memory
-from zaya_jax.perf.timing import host_description
+from pallas_kernels.timing import host_description
 
 _KERNELS = flags.DEFINE_list("kernels", list(memory.KERNELS), f"Any of {memory.KERNELS}.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", memory.DTYPES, "Element dtype.")

@@ -35,7 +35,7 @@ from ml_collections import config_flags
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.data import make_train_iterator
-from zaya_jax.hf import _skip_can_win, load_pretrained
+from zaya_jax.convert.hf import _skip_can_win, load_pretrained
 from zaya_jax.model import ModelConfig
 from zaya_jax.train import TrainState, make_optimizer
 

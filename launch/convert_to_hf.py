@@ -5,7 +5,7 @@
 
 Reads the run config saved with the checkpoint, restores only the `model` item onto one CPU
 device, and writes config.json, generation_config.json and safetensors via
-`zaya_jax.hf.save_pretrained` (plus tokenizer.json when the run's data.tokenizer is a file).
+`zaya_jax.convert.hf.save_pretrained` (plus tokenizer.json when the run's data.tokenizer is a file).
 Load it with `transformers.ZayaForCausalLM.from_pretrained(out)`. Caveats (warned about):
 transformers zeroes skipped tokens (skip_mode "zero"), and transformers 5.23 resets each
 router's skip balancing bias to -1 on load. A missing --workdir or --step, or an unreadable
@@ -22,7 +22,7 @@ from flax import nnx
 
 from zaya_jax.checkpoint import (find_run_checkpoint, restore_model_state, saved_model_config,
                                  with_sharding)
-from zaya_jax.hf import save_pretrained
+from zaya_jax.convert.hf import save_pretrained
 from zaya_jax.model import ZayaForCausalLM
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (holds checkpoints/).")

@@ -95,7 +95,7 @@ def main(argv):
     if not os.path.isdir(_HF_DIR.value):
       sys.exit(f"--hf_dir={_HF_DIR.value}: no such directory (a local transformers "
                "save_pretrained directory; nothing is downloaded)")
-    from zaya_jax.hf import load_pretrained  # local: imports safetensors only when needed
+    from zaya_jax.convert.hf import load_pretrained  # local: imports safetensors only when needed
     try:
       model = load_pretrained(_HF_DIR.value, kernels=())
     except (OSError, ValueError) as e:

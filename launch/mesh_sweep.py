@@ -13,7 +13,7 @@ abstract inputs only, so configs far too large for this host (zaya1_base, 8.3B p
 still report memory, FLOPs and collectives. `ragged_all_to_all` cannot compile on XLA:CPU:
 its rows are lowered only. Batches are synthetic tokens: no data or tokenizer is read.
 Writes OUT/mesh_sweep.csv and OUT/mesh_sweep.png. All logic lives in
-`zaya_jax.parallel.mesh_sweep`.
+`zaya_jax.perf.mesh_sweep`.
 """
 
 import os
@@ -23,8 +23,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, synthetic_configs
-from zaya_jax.parallel import mesh_sweep
-from zaya_jax.parallel.mesh import parse_meshes, use_cpu_devices
+from zaya_jax.perf import mesh_sweep
+from zaya_jax.config.mesh import parse_meshes
+from zaya_jax.parallel.mesh import use_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)

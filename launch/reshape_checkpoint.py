@@ -12,14 +12,14 @@ then re-reads it and checks every expert's weights against the (cast) source. Th
 never modified, and an existing DST checkpoint is never overwritten.
 
 A copy without optimizer state is for evaluation and `launch.convert_to_hf --workdir=DST`;
-`launch.train` refuses to resume it. Logic: zaya_jax/reshape.py.
+`launch.train` refuses to resume it. Logic: zaya_jax/checkpoint/reshape.py.
 """
 
 import sys
 
 from absl import app, flags
 
-from zaya_jax import reshape
+from zaya_jax.checkpoint import reshape
 from zaya_jax.train.loop import quiet_library_logs
 
 _SRC = flags.DEFINE_string("src", None, "Training workdir, its checkpoints/ dir, or a step dir.")

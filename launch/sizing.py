@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, synthetic_configs
-from zaya_jax.parallel.mesh import MeshConfig
+from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf import roofline
 from zaya_jax.perf.accelerators import get_profile
 from zaya_jax.perf.gemm import GemmTable

@@ -8,9 +8,9 @@ Running the same command again resumes from the newest checkpoint in DIR/checkpo
 Multi-host: under `srun` (SLURM) or `mpirun` (Open MPI) with several tasks the processes
 find each other; elsewhere start one process per host with the same command plus
   --coordinator_address=HOST0:PORT --num_processes=N --process_id=I
-(see zaya_jax/distributed.py and launch/slurm/). Every process needs the same --workdir on
+(see zaya_jax/parallel/distributed.py and launch/slurm/). Every process needs the same --workdir on
 a shared filesystem: all of them write checkpoints, process 0 alone writes metrics.jsonl.
-Intentionally short: all logic lives in `zaya_jax.distributed` and `zaya_jax.train.run`.
+Intentionally short: all logic lives in `zaya_jax.parallel.distributed` and `zaya_jax.train.run`.
 """
 
 import sys
@@ -19,7 +19,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import distributed
+from zaya_jax.parallel import distributed
 from zaya_jax.checkpoint import CorruptCheckpointError
 from zaya_jax.config import ConfigError
 from zaya_jax.train import run

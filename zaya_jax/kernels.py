@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax import ops
 from zaya_jax.model.attention import causal_block_attention
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.mesh import BATCH_AXES
 
 

@@ -19,7 +19,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.perf.timing import median_seconds
+from pallas_kernels.timing import median_seconds
 from pallas_kernels.cca_attention.ops import cca_flash_attention
 from pallas_kernels.cca_attention.reference import attention_reference
 

@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.perf.timing import median_seconds
+from pallas_kernels.timing import median_seconds
 from pallas_kernels.gmm.ops import GmmBlockSizes, gmm
 
 TINY = dict(tokens=64, d_model=32, expert_width=48, experts=4)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import resolve_interpret
-from zaya_jax.perf.timing import median_seconds
+from pallas_kernels.timing import median_seconds
 from pallas_kernels.routing.ops import RoutingBlockSizes, route
 from pallas_kernels.routing.reference import route_reference
 

@@ -35,7 +35,7 @@ def main(out_path: str) -> None:
   import orbax.checkpoint as ocp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from zaya_jax import integrity
+  from zaya_jax.checkpoint import integrity
 
   tree = example_tree()
   results = {}

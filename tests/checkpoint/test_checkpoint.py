@@ -35,7 +35,7 @@ import pytest
 from flax import nnx
 
 from tests.checkpoint.conftest import IGNORE_ABANDONED_READS, STEPS, largest_data_file
-from zaya_jax import integrity
+from zaya_jax.checkpoint import integrity
 from zaya_jax.checkpoint import (CorruptCheckpointError, open_manager, restore_model_state,
                                  with_sharding)
 from zaya_jax.config import ConfigError

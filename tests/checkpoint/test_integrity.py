@@ -1,4 +1,4 @@
-"""Checksums (zaya_jax/integrity.py): the values, sharding independence, what a mismatch names.
+"""Checksums (zaya_jax/checkpoint/integrity.py): the values, sharding independence, what a mismatch names.
 
 - `checksum_tree` equals an independent numpy implementation of the documented formula
   (float32 and int32 as 32-bit words, bfloat16 as 16-bit words, bool widened; per-expert
@@ -27,7 +27,7 @@ from flax import nnx
 
 from tests.checkpoint.conftest import IGNORE_ABANDONED_READS
 from tests.checkpoint.sharded_check import example_tree
-from zaya_jax import integrity
+from zaya_jax.checkpoint import integrity
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERT_TENSOR = "layers.mlp.experts.w_up.value"

@@ -1,4 +1,4 @@
-"""zaya_jax.reshape / launch.reshape_checkpoint: summary, optimizer drop, dtype cast, refusals.
+"""zaya_jax.checkpoint.reshape / launch.reshape_checkpoint: summary, optimizer drop, dtype cast, refusals.
 
 - --drop_optimizer --dtype=bfloat16 writes only the step, its parameters in bfloat16 (the
   balancing biases stay float32), no optimizer state, the source's data position files and
@@ -27,7 +27,7 @@ import pytest
 from flax import nnx
 
 from tests.checkpoint.conftest import IGNORE_ABANDONED_READS
-from zaya_jax import reshape
+from zaya_jax.checkpoint import reshape
 from zaya_jax.checkpoint import open_manager, restore_model_state, saved_items, with_sharding
 from zaya_jax.config import ConfigError
 from zaya_jax.model import BalancingBias

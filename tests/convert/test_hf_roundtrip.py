@@ -1,4 +1,4 @@
-"""HF export (`zaya_jax.hf.save_pretrained`) round-trips `transformers.ZayaForCausalLM` exactly.
+"""HF export (`zaya_jax.convert.hf.save_pretrained`) round-trips `transformers.ZayaForCausalLM` exactly.
 
 transformers 5.23 `from_pretrained` overwrites every router's skip balancing bias
 (`balancing_biases[-1]`) with -1 after loading (`ZayaPreTrainedModel._init_weights` assigns it
@@ -16,7 +16,7 @@ import transformers
 from flax import nnx
 
 from tests.model import hf_reference
-from zaya_jax.hf import _SafetensorsReader, load_pretrained, save_pretrained, to_hf_state_dict
+from zaya_jax.convert.hf import _SafetensorsReader, load_pretrained, save_pretrained, to_hf_state_dict
 
 # Attention + lm_head biases so every optional tensor is exercised; 3 layers (EDA on 1, 2).
 OVERRIDES = dict(attention_bias=True, lm_head_bias=True)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import pytest
 
-from zaya_jax.parallel.mesh import MeshConfig
+from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf import collectives as C
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -8,7 +8,7 @@ import pytest
 
 from configs import zaya1_tiny
 from zaya_jax.config import build_group
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.perf import accelerators, gemm, roofline, sizing
 from tests.perf.cli import run_concurrently
 

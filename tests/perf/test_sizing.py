@@ -23,10 +23,10 @@ from flax import nnx
 from transformers import ZayaConfig, ZayaForCausalLM
 
 from configs import zaya1_tiny
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.transformer import ZayaForCausalLM as JaxZaya
-from zaya_jax.parallel.mesh import MeshConfig
-from zaya_jax.parallel.mesh_sweep import dot_flops
+from zaya_jax.config.mesh import MeshConfig
+from zaya_jax.perf.mesh_sweep import dot_flops
 from zaya_jax.perf import roofline, sizing
 from zaya_jax.perf.accelerators import get_profile
 from tests.model import hf_reference

@@ -26,7 +26,7 @@ import time
 import pytest
 
 from tests.train.tiny_cli import MODEL_OVERRIDES
-from zaya_jax import distributed
+from zaya_jax.parallel import distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T, B, STEPS = 32, 8, 4  # tokens per row, rows per global batch, optimizer steps per run

@@ -1,6 +1,6 @@
 """The ZAYA1 model in Flax NNX (spec: ../shared/spec/zaya1_architecture.md)."""
 
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.router import BalancingBias
 from zaya_jax.model.transformer import ZayaForCausalLM, ZayaLayer, create_model, init_rngs
 

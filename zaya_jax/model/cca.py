@@ -23,7 +23,7 @@ from flax import nnx
 
 from zaya_jax import kernels
 from zaya_jax.model.attention import dot_product_attention, shift_right, shifted_same_document
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.layers import compute_dtype, normal, param, zeros
 from zaya_jax.model.rope import apply_rope
 

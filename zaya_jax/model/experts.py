@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from zaya_jax import kernels, ops
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.layers import compute_dtype, normal, param
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax import kernels
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.experts import Experts, swiglu_experts
 from zaya_jax.model.router import Router
 from zaya_jax.parallel.dispatch import LocalDispatch, make_dispatcher, resolve_dispatch

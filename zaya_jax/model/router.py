@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax import kernels
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.layers import RMSNorm, normal, ones, param, zeros
 from zaya_jax.model.quantile import BatchBalance
 

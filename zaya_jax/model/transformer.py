@@ -23,7 +23,7 @@ from flax import nnx
 from zaya_jax import kernels
 from zaya_jax.model.attention import attention_mask, document_positions
 from zaya_jax.model.cca import CCA
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.layers import RMSNorm, ResidualScale, compute_dtype, normal, ones, param, zeros
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.rope import rope_cos_sin

@@ -16,7 +16,6 @@ activations shard on the batch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 
@@ -25,9 +24,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-DATA, FSDP, EXPERT = "data", "fsdp", "expert"
-MESH_AXES = (DATA, FSDP, EXPERT)
-BATCH_AXES = (DATA, FSDP, EXPERT)  # every batch-like axis: the global batch splits over all
+from zaya_jax.config.mesh import BATCH_AXES, DATA, EXPERT, FSDP, MESH_AXES, MeshConfig
+
 
 LOGICAL_RULES = (
     ("embed", FSDP),  # D of every weight: FSDP shards it, XLA all-gathers it for compute
@@ -40,43 +38,6 @@ LOGICAL_RULES = (
     ("layers", None),  # the scan axis L
     ("act_batch", BATCH_AXES),  # B of activations and input batches
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """Mesh shape: devices along `data`, `fsdp`, `expert`. One of them may be -1 (inferred).
-
-  Raises:
-    ValueError: more than one -1, a size < 1, or a product that does not divide the device
-      count (names the field and the numbers).
-  """
-
-  data: int = 1
-  fsdp: int = -1
-  expert: int = 1
-
-  def __post_init__(self):
-    sizes = dataclasses.asdict(self)
-    if sum(v == -1 for v in sizes.values()) > 1:
-      raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
-    for k, v in sizes.items():
-      if v != -1 and (not isinstance(v, int) or v < 1):
-        raise ValueError(f"mesh.{k}={v!r} must be a positive integer or -1 (inferred)")
-
-  def shape(self, num_devices: int) -> dict[str, int]:
-    """Axis sizes for `num_devices`, with a -1 replaced by what the others leave."""
-    sizes = dataclasses.asdict(self)
-    known = math.prod(v for v in sizes.values() if v != -1)
-    infer = [k for k, v in sizes.items() if v == -1]
-    if num_devices % known:
-      raise ValueError(f"mesh {sizes}: the product of the fixed axes ({known}) does not divide the "
-                       f"{num_devices} devices; choose sizes whose product divides {num_devices}")
-    if infer:
-      sizes[infer[0]] = num_devices // known
-    elif known != num_devices:
-      raise ValueError(f"mesh {sizes} has {known} devices but {num_devices} are available; set one "
-                       "axis to -1 or make the product equal the device count")
-    return sizes
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
@@ -171,18 +132,3 @@ def use_cpu_devices(num_devices: int) -> None:
     jax.config.update("jax_num_cpu_devices", num_devices)
   except RuntimeError:  # backend already initialised
     pass
-
-
-def parse_meshes(text: str) -> list[MeshConfig]:
-  """`"1,1,8;2,1,4"` -> MeshConfigs (data, fsdp, expert).
-
-  Raises:
-    ValueError: for an entry that is not three comma-separated integers.
-  """
-  meshes = []
-  for entry in filter(None, (e.strip() for e in text.split(";"))):
-    sizes = [p.strip() for p in entry.split(",")]
-    if len(sizes) != 3 or not all(p.lstrip("-").isdigit() for p in sizes):
-      raise ValueError(f"--meshes entry {entry!r} must be three integers data,fsdp,expert")
-    meshes.append(MeshConfig(*map(int, sizes)))
-  return meshes

@@ -50,7 +50,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from zaya_jax.parallel.mesh import EXPERT, MESH_AXES, MeshConfig, make_mesh
-from zaya_jax.perf.timing import median_seconds
+from pallas_kernels.timing import median_seconds
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 REDUCING = ("all_reduce", "reduce_scatter")  # the only ones that do arithmetic

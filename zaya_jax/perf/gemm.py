@@ -35,10 +35,10 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.perf.accelerators import AcceleratorProfile
 from zaya_jax.perf.sizing import model_gemms
-from zaya_jax.perf.timing import median_seconds
+from pallas_kernels.timing import median_seconds
 
 DTYPES = ("bfloat16", "float32")
 SWEEPS = ("square", "m", "n", "k", "grid")

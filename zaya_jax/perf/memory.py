@@ -37,7 +37,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from zaya_jax.perf.accelerators import AcceleratorProfile
-from zaya_jax.perf.timing import median_seconds
+from pallas_kernels.timing import median_seconds
 
 KERNELS = ("copy", "scale", "add", "triad")
 ARRAYS_MOVED = {"copy": 2, "scale": 2, "add": 3, "triad": 3}  # STREAM counting

@@ -29,8 +29,8 @@ import dataclasses
 import math
 from typing import Callable
 
-from zaya_jax.model.config import ModelConfig
-from zaya_jax.parallel.mesh import MeshConfig
+from zaya_jax.config.model import ModelConfig
+from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf.accelerators import AcceleratorProfile
 from zaya_jax.perf.sizing import DTYPE_BYTES, Gemm, Violation, check_rules, count_params, gemm_dtype, \
     model_gemms, non_gemm_flops_per_token, train_flops_per_token

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.perf.accelerators import AcceleratorProfile
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}

@@ -4,7 +4,7 @@
 Running the same command again resumes from the newest checkpoint in `workdir/checkpoints`
 (parameters, balancing biases, optimizer, step, RNG key and data position), so a restarted
 run continues bit-for-bit on CPU. Outputs in `workdir`:
-  checkpoints/<step>/   Orbax checkpoints (see zaya_jax/checkpoint.py)
+  checkpoints/<step>/   Orbax checkpoints (see zaya_jax/checkpoint/__init__.py)
   metrics.jsonl         one JSON object per line: {"kind": "train" | "eval", "step": ..., ...}
   tensorboard/          the same records as TensorBoard events (zaya_jax/train/metrics.py)
 

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from zaya_jax.config import BalanceConfig, TrainConfig
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.mesh import batch_sharding
 from zaya_jax.train.optim import make_optimizer, make_schedule
 from zaya_jax.train.state import TrainState, abstract_model, abstract_train_state, train_state_shardings

@@ -10,7 +10,7 @@ Each step is an Orbax Composite of six items (DESIGN.md "Checkpoint contents"):
               "device_count"} of the run that wrote it (and "reshape" after
               launch.reshape_checkpoint)
   integrity   checksums of `model` and `opt_state`: per tensor, and per (layer, expert) for
-              expert tensors (zaya_jax/integrity.py); verified on every restore
+              expert tensors (zaya_jax/checkpoint/integrity.py); verified on every restore
 Restores take abstract targets (`jax.ShapeDtypeStruct` with a sharding), so a checkpoint can
 be read back onto another device layout; the checksums do not depend on the layout.
 
@@ -42,7 +42,7 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from zaya_jax import integrity
+from zaya_jax.checkpoint import integrity
 from zaya_jax.model import ModelConfig
 from zaya_jax.config import (COMPUTE_ONLY_MODEL_FIELDS, CheckpointConfig, ConfigError, RunConfig,
                              config_differences)

@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from zaya_jax import integrity
+from zaya_jax.checkpoint import integrity
 from zaya_jax.checkpoint import (CHECKSUMMED_ITEMS, ITEMS, failure_reason, open_manager,
                                  saved_items, saved_model_config)
 from zaya_jax.train.state import abstract_model

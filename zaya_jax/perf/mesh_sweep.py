@@ -38,7 +38,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from zaya_jax.config import BalanceConfig, TrainConfig
-from zaya_jax.model.config import ModelConfig
+from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.dispatch import resolve_dispatch
 from zaya_jax.parallel.mesh import (EXPERT, MeshConfig, abstract_with_shardings, batch_sharding,
                                     check_divisibility, make_mesh, use_mesh)

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from zaya_jax.parallel import mesh_sweep
-from zaya_jax.parallel.mesh import parse_meshes
+from zaya_jax.perf import mesh_sweep
+from zaya_jax.config.mesh import parse_meshes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -16,8 +16,8 @@ from typing import Any
 import ml_collections
 
 from zaya_jax.data import DataConfig, load_tokenizer
-from zaya_jax.model.config import ModelConfig
-from zaya_jax.parallel.mesh import MeshConfig
+from zaya_jax.config.model import ModelConfig
+from zaya_jax.config.mesh import MeshConfig
 
 GROUPS = ("model", "data", "train", "checkpoint", "mesh", "balance")
 # Model fields that change how the model computes, not its parameters: they may differ

@@ -1,0 +1,1 @@
+"""Conversion to and from the Hugging Face `transformers` ZAYA1 format."""
