@@ -1,7 +1,7 @@
 """Shared fixtures of the checkpoint tests: one tiny TrainState and a directory of three
 checkpoints (steps 1, 2, 3) written from it, built once per session.
 
-The model has the sizes of tests/train/tiny_cli.py (2 layers, 4 experts, hidden 32); the
+The model has the sizes of tests/helpers.py (MODEL_OVERRIDES) (2 layers, 4 experts, hidden 32); the
 optimizer moments are filled with noise so that every expert slice of every tensor differs.
 Tests that damage checkpoints work on a copy (`checkpoints_copy`).
 """

@@ -3,7 +3,7 @@
 
 One module-scoped fixture runs the chain once in subprocesses, on a random transformers
 model (every tensor randomised, balancing biases set so every expert and the skip class win
-some tokens) of the architecture that tests/train/tiny_cli.py trains, with attention and
+some tokens) of the architecture that tests/helpers.py (MODEL_OVERRIDES) trains, with attention and
 LM-head biases so the optional tensors travel too:
   1. `convert_from_hf` writes step 0 of a run (skip_mode "zero", as transformers);
   2. `convert_to_hf --step=0 --max_shard_size=50KB` exports it again, in several shards;
@@ -33,13 +33,13 @@ from flax import nnx
 
 from tests.convert.test_hf_roundtrip import read_export, reference_state, restore_skip_biases
 from tests.model import hf_reference
-from tests.train.tiny_cli import MODEL_OVERRIDES
+from tests.helpers import MODEL_OVERRIDES
 from zaya_jax.checkpoint import restore_model_state, with_sharding
 from zaya_jax.model import ModelConfig, ZayaForCausalLM
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
-# The HF twin of tests/train/tiny_cli.py (vocab 320 as configs/zaya1_tiny.py, byte-tokenizer ids).
+# The HF twin of tests/helpers.py (MODEL_OVERRIDES) (vocab 320 as configs/zaya1_tiny.py, byte-tokenizer ids).
 HF_ARCH = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2,
                layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, num_attention_heads=2,
                num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32,

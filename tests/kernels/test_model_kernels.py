@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model.conftest import random_model
-from tests.train.test_step import random_batch, tiny_model_config
+from tests.helpers import random_model
+from tests.helpers import random_batch, tiny_model_config
 from zaya_jax.train.step import cross_entropy
 
 

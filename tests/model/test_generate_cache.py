@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model.conftest import assert_close, random_model
+from tests.helpers import assert_close, random_model
 from zaya_jax.generate import generate, greedy_generate_recompute, sample_tokens
 from zaya_jax.model import ModelConfig
 from zaya_jax.model.transformer import init_cache

@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 
 from tests.model import hf_reference
-from tests.model.conftest import assert_close, random_model
+from tests.helpers import assert_close, random_model
 from zaya_jax.convert.hf import load_pretrained
 from zaya_jax.model import ModelConfig
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model.conftest import assert_close, module_with, random_model
+from tests.helpers import assert_close, module_with, random_model
 from zaya_jax.model import BalancingBias, ModelConfig
 from zaya_jax.model.moe import MoE
 

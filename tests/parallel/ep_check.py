@@ -74,7 +74,7 @@ def main(out_path: str) -> None:
   import numpy as np
   from flax import nnx
 
-  from tests.model.conftest import random_model
+  from tests.helpers import random_model
   from zaya_jax.model import ModelConfig
   from zaya_jax.model.moe import MoE
   from zaya_jax.parallel import dispatch as dispatch_lib

@@ -28,7 +28,7 @@ from zaya_jax.train.balance import get_biases  # noqa: E402
 from zaya_jax.train.loop import global_batch  # noqa: E402
 from zaya_jax.train.setup import setup_training  # noqa: E402
 from zaya_jax.train.state import init_train_state  # noqa: E402
-from tests.train.test_step import random_batch, tiny_model_config  # noqa: E402
+from tests.helpers import random_batch, tiny_model_config  # noqa: E402
 
 STEPS = 3
 LAYOUTS = {"1 device": (MeshConfig(1, 1, 1), 1, 1), "(1,1,8)": (MeshConfig(1, 1, 8), 8, 1),

@@ -13,7 +13,7 @@ from zaya_jax.train import balance as B
 from zaya_jax.train import init_train_state, make_optimizer, make_schedule, train_step
 from zaya_jax.train.state import abstract_model
 
-from tests.train.test_step import random_batch, tiny_model_config
+from tests.helpers import random_batch, tiny_model_config
 
 L, E, F, N = 2, 8, 16, 16384  # layers, experts, token features, tokens per step
 X = E + 1

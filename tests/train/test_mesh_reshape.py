@@ -56,7 +56,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tests.train.tiny_cli import MODEL_OVERRIDES
+from tests.helpers import MODEL_OVERRIDES
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import GROUPS, CheckpointConfig, resolve
 from zaya_jax.data import make_train_iterator

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from tests.train.tiny_cli import MODEL_OVERRIDES
+from tests.helpers import MODEL_OVERRIDES
 from zaya_jax.parallel import distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

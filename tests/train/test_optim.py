@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from configs import zaya1_tiny
-from tests.train.test_step import random_batch, tiny_model_config
+from tests.helpers import random_batch, tiny_model_config
 from zaya_jax.config import ConfigError, TrainConfig, resolve
 from zaya_jax.train import init_train_state, train_step
 from zaya_jax.train.optim import (describe_optimizer, make_optimizer, make_schedule,

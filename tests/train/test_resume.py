@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.train.tiny_cli import MODEL_OVERRIDES
+from tests.helpers import MODEL_OVERRIDES
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 3  # steps before the interruption

@@ -1,42 +1,19 @@
 """Train step: the loss is plain next-token cross-entropy, biases stay put, schedule shape."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from configs import zaya1_tiny
-from zaya_jax.config import TrainConfig, resolve
+from tests.helpers import random_batch, tiny_model_config
+from zaya_jax.config import TrainConfig
 from zaya_jax.model import BalancingBias
 from zaya_jax.train import (cross_entropy, decay_mask, init_train_state, make_optimizer,
                             make_schedule, train_step)
 from zaya_jax.train.optim import per_layer_ndim
 from zaya_jax.train.step import linear_cross_entropy
 from zaya_jax.train.state import abstract_model
-
-
-def tiny_model_config():
-  return dataclasses.replace(
-      resolve(zaya1_tiny.get_config()).model, hidden_size=32, num_layers=2,
-      layer_types=("hybrid", "hybrid_sliding"), sliding_window=4, head_dim=16, num_heads=4,
-      num_kv_heads=2, num_experts=4, moe_intermediate_size=32, router_hidden_size=16)
-
-
-def random_batch(rng, b=2, t=12, vocab=320):
-  inputs = rng.integers(3, 259, (b, t)).astype(np.int32)
-  targets = np.roll(inputs, -1, axis=1)
-  segment_ids = np.ones((b, t), np.int32)
-  segment_ids[0, 8:] = 2  # a second document in row 0
-  segment_ids[1, 10:] = 0  # padding at the end of row 1
-  positions = np.concatenate([np.arange(8), np.arange(t - 8)])[None].repeat(b, 0).astype(np.int32)
-  positions[1] = np.arange(t)
-  loss_mask = (segment_ids > 0).astype(np.float32)
-  loss_mask[0, 7] = 0.0  # the last token of a document predicts nothing
-  return dict(inputs=inputs, targets=targets, segment_ids=segment_ids, positions=positions,
-              loss_mask=loss_mask)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,147 @@
+"""Shared test infrastructure: tiny configs, random models and batches, one closeness check.
+
+Every test module imports from here, never from another test module.
+- `assert_close`: one tolerance table by dtype (`TOLERANCES`); a test may pass a tighter or
+  an explicitly justified atol/rtol.
+- `tiny_model_config`, `MODEL_OVERRIDES`: the 2-layer, 4-expert model of the unit tests and
+  the same sizes as `launch.train` flags for the CLI tests.
+- `random_model`, `random_batch`: every parameter randomised at realistic scales; a packed
+  batch with two documents in one row and padding in the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# (atol, rtol) by the dtype of the values compared: float32 math against a float64 or
+# float32 reference, and bfloat16 (8 mantissa bits: 2**-8 relative rounding per operand).
+TOLERANCES = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)}
+
+
+def assert_close(name: str, got, want, atol: float | None = None, rtol: float | None = None,
+                 dtype: str | None = None) -> None:
+  """`|got - want| <= atol + rtol * |want|` elementwise; the message prints the error size.
+
+  Args:
+    name: what is compared, for the failure message.
+    got: our array (any array-like).
+    want: the reference array, same shape.
+    atol, rtol: absolute / relative tolerance; default `TOLERANCES[dtype]`.
+    dtype: "float32" | "bfloat16"; default the dtype of `got` if it is bfloat16, else float32.
+  Raises:
+    AssertionError: shapes differ or any element is off (count, max and mean |diff|).
+  """
+  if dtype is None:
+    dtype = "bfloat16" if getattr(got, "dtype", None) == jnp.bfloat16 else "float32"
+  d_atol, d_rtol = TOLERANCES[dtype]
+  atol = d_atol if atol is None else atol
+  rtol = d_rtol if rtol is None else rtol
+  got = np.asarray(got, dtype=np.float64)
+  want = np.asarray(want, dtype=np.float64)
+  assert got.shape == want.shape, f"{name}: shape {got.shape} != reference shape {want.shape}"
+  diff = np.abs(got - want)
+  bad = diff > atol + rtol * np.abs(want)
+  assert not bad.any(), (
+      f"{name}: {int(bad.sum())}/{bad.size} elements off; max|diff|={diff.max():.3g} "
+      f"mean|diff|={diff.mean():.3g} max|want|={np.abs(want).max():.3g} (atol {atol}, rtol {rtol})")
+
+
+def tiny_model_config():
+  """2 layers (one sliding, window 4), D=32, 4 heads / 2 kv heads, 4 experts: `ModelConfig`."""
+  from configs import zaya1_tiny  # pylint: disable=import-outside-toplevel
+  from zaya_jax.config import resolve  # pylint: disable=import-outside-toplevel
+
+  return dataclasses.replace(
+      resolve(zaya1_tiny.get_config()).model, hidden_size=32, num_layers=2,
+      layer_types=("hybrid", "hybrid_sliding"), sliding_window=4, head_dim=16, num_heads=4,
+      num_kv_heads=2, num_experts=4, moe_intermediate_size=32, router_hidden_size=16)
+
+
+def random_batch(rng, b=2, t=12, vocab=320):
+  """A `[b, t]` int32 batch dict (inputs, targets, segment_ids, positions, loss_mask): row 0
+  holds two documents (8 + rest tokens), row 1 ends in padding from position 10."""
+  inputs = rng.integers(3, 259, (b, t)).astype(np.int32)
+  targets = np.roll(inputs, -1, axis=1)
+  segment_ids = np.ones((b, t), np.int32)
+  segment_ids[0, 8:] = 2  # a second document in row 0
+  segment_ids[1, 10:] = 0  # padding at the end of row 1
+  positions = np.concatenate([np.arange(8), np.arange(t - 8)])[None].repeat(b, 0).astype(np.int32)
+  positions[1] = np.arange(t)
+  loss_mask = (segment_ids > 0).astype(np.float32)
+  loss_mask[0, 7] = 0.0  # the last token of a document predicts nothing
+  return dict(inputs=inputs, targets=targets, segment_ids=segment_ids, positions=positions,
+              loss_mask=loss_mask)
+
+
+def layer_slice(stacked_module: nnx.Module, i: int) -> dict:
+  """Pure dict (numpy leaves) of layer `i` of a module whose leaves carry a leading layer axis."""
+  pure = nnx.to_pure_dict(nnx.state(stacked_module))
+
+  def take(tree):
+    return {k: take(v) if isinstance(v, dict) else np.asarray(v)[i] for k, v in tree.items()}
+
+  return take(pure)
+
+
+def module_with(make, pure: dict) -> nnx.Module:
+  """Builds `make()` abstractly (no random init) and fills every variable from `pure`."""
+  graphdef, state = nnx.split(nnx.eval_shape(make))
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, pure))
+  return nnx.merge(graphdef, state)
+
+
+def random_model(cfg, seed: int = 0):
+  """`ZayaForCausalLM(cfg)` with numpy-random parameters at realistic scales.
+
+  Built with `nnx.eval_shape` and filled from numpy, because `nnx.Rngs` initialisation
+  compiles one threefry program per parameter shape (tens of seconds on a small CPU).
+  Residual/norm scales ~1, biases ~0.1, `temp` ~2, router `out_proj` ~1.5 (token-dependent
+  routing), other matrices ~0.2, balancing biases 0 (skip class -1, as initialised).
+  """
+  from zaya_jax.model import ZayaForCausalLM  # local: conftest is imported by every test module
+
+  g = np.random.default_rng(seed)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
+
+  def fill(path, leaf):
+    keys = [getattr(k, "key", None) for k in path]
+    name, shape = keys[-1], leaf.shape
+    normal = lambda mean, std: (mean + std * g.standard_normal(shape)).astype(np.float32)
+    if name == "balancing_biases":
+      return np.zeros(shape, np.float32) + np.where(np.arange(shape[-1]) == shape[-1] - 1, -1.0, 0.0).astype(np.float32)
+    if name == "temp":
+      return normal(2.0, 0.5)
+    if name in ("weight", "router_states_scale") or name.endswith("_scale"):
+      return normal(1.0, 0.1)
+    if "bias" in name:
+      return normal(0.0, 0.1)
+    if name == "out_proj" and "router" in keys:
+      return normal(0.0, 1.5)
+    if name == "embed_tokens":
+      return normal(0.0, 1.0)
+    return normal(0.0, 0.2)
+
+  pure = jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, pure))
+  return nnx.merge(graphdef, state)
+
+
+# `launch.train` flags for the same small model as `tiny_model_config` (window 8, 2 heads):
+# each CLI subprocess compiles and trains in seconds.
+MODEL_OVERRIDES = [
+    "--config.model.hidden_size=32",
+    "--config.model.num_layers=2",
+    "--config.model.layer_types=('hybrid','hybrid_sliding')",
+    "--config.model.sliding_window=8",
+    "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=2",
+    "--config.model.head_dim=16",
+    "--config.model.num_experts=4",
+    "--config.model.moe_intermediate_size=32",
+    "--config.model.router_hidden_size=16",
+]
