@@ -26,11 +26,11 @@ from zaya_jax.parallel import distributed
 from zaya_jax.config.mesh import parse_meshes
 from zaya_jax.parallel.mesh import use_cpu_devices
 from pallas_kernels import timing
-from zaya_jax.perf import collectives
+from zaya_jax.perf import collectives, nccl
 
 _OUT = flags.DEFINE_string("out", None, "Output folder for collectives.csv and collectives.png.")
-_COLLECTIVES = flags.DEFINE_list("collectives", list(collectives.COLLECTIVES),
-                                 f"Collectives to run, from {','.join(collectives.COLLECTIVES)}.")
+_COLLECTIVES = flags.DEFINE_list("collectives", list(nccl.COLLECTIVES),
+                                 f"Collectives to run, from {','.join(nccl.COLLECTIVES)}.")
 _NUM_DEVICES = flags.DEFINE_list(
     "num_devices", None, "Group sizes n, each dividing the device count (default: 2, 4, ... "
     "powers of two up to all devices). Not with --meshes.")
@@ -95,7 +95,7 @@ def main(argv):
   note = timing.host_description()
   if lead:
     print(f"{distributed.describe()}\n{note}\n{collectives.format_table([])}", flush=True)
-  sizes = collectives.message_sizes(_MIN_BYTES.value, _MAX_BYTES.value)
+  sizes = nccl.message_sizes(_MIN_BYTES.value, _MAX_BYTES.value)
   rows = collectives.run_sweep(_COLLECTIVES.value, bench_groups, sizes, _DTYPE.value,
                                _REPEATS.value, _WARMUP.value, log=log)
   wrong = collectives.wrong_results(rows)

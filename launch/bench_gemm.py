@@ -12,7 +12,7 @@ the powers of two in [--min_size, --max_size] and their neighbours p + o, o in `
 `--dtypes` dtype; TFLOP/s are compared with `--profile`'s peak (default: the detected
 accelerator's; on CPU the best square matmul of the same run, which the output says), and
 shapes below `--low_fraction` of the dtype's best are marked `*`. Writes OUT/bench_gemm.csv
-(readable by `zaya_jax.perf.gemm.GemmTable.from_csv`, the sizing command's `--gemm_table`)
+(readable by `zaya_jax.perf.gemm_table.GemmTable.from_csv`, the sizing command's `--gemm_table`)
 and OUT/bench_gemm.png. All logic lives in `zaya_jax.perf.gemm`.
 """
 

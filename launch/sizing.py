@@ -11,7 +11,7 @@ the device count.
 
 `--gemm_table=bench_gemm.csv` (from `python -m launch.bench_gemm --config=... --out=DIR`,
 run on the user's own accelerator) replaces the roofline time of every GEMM by the measured
-one (exact shape, or interpolated from the nearest measured shapes: zaya_jax.perf.gemm
+one (exact shape, or interpolated from the nearest measured shapes: zaya_jax.perf.gemm_table
 .GemmTable); attention, convolutions and communication stay on the roofline of `--profile`,
 which should name the same accelerator (MFU is against its peak).
 """
@@ -25,7 +25,7 @@ from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf import roofline
 from zaya_jax.perf.accelerators import get_profile
-from zaya_jax.perf.gemm import GemmTable
+from zaya_jax.perf.gemm_table import GemmTable
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_base.py.", lock_config=True)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from zaya_jax.config.mesh import MeshConfig
-from zaya_jax.perf import collectives as C
+from zaya_jax.perf import collectives as C, nccl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 180
@@ -56,54 +56,54 @@ def cli(*args: str, devices: int = 8) -> subprocess.CompletedProcess:
 
 
 def test_bus_factors_follow_nccl_tests():
-  assert C.bus_factor("all_reduce", 8) == pytest.approx(1.75)
-  assert C.bus_factor("all_reduce", 2) == pytest.approx(1.0)
+  assert nccl.bus_factor("all_reduce", 8) == pytest.approx(1.75)
+  assert nccl.bus_factor("all_reduce", 2) == pytest.approx(1.0)
   for name in ("reduce_scatter", "all_gather", "all_to_all"):
-    assert C.bus_factor(name, 4) == pytest.approx(0.75)
-    assert C.bus_factor(name, 8) == pytest.approx(0.875)
-  assert C.bus_factor("broadcast", 8) == 1.0
+    assert nccl.bus_factor(name, 4) == pytest.approx(0.75)
+    assert nccl.bus_factor(name, 8) == pytest.approx(0.875)
+  assert nccl.bus_factor("broadcast", 8) == 1.0
   with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
-    C.bus_factor("allreduce", 8)
+    nccl.bus_factor("allreduce", 8)
 
 
 def test_bandwidths_in_gb_per_s():
-  algbw, busbw = C.bandwidths("all_reduce", 8, 2 * 10**9, 0.5)  # 2 GB in 0.5 s
+  algbw, busbw = nccl.bandwidths("all_reduce", 8, 2 * 10**9, 0.5)  # 2 GB in 0.5 s
   assert (algbw, busbw) == pytest.approx((4.0, 7.0))
-  algbw, busbw = C.bandwidths("all_gather", 4, 16 * 2**20, 1e-3)
+  algbw, busbw = nccl.bandwidths("all_gather", 4, 16 * 2**20, 1e-3)
   assert algbw == pytest.approx(16.777216)
   assert busbw == pytest.approx(16.777216 * 0.75)
-  assert C.bandwidths("broadcast", 4, 10**6, 1e-3) == pytest.approx((1.0, 1.0))
+  assert nccl.bandwidths("broadcast", 4, 10**6, 1e-3) == pytest.approx((1.0, 1.0))
 
 
 def test_sizes_and_buffers():
-  assert C.message_sizes(4096, 65536) == [4096, 8192, 16384, 32768, 65536]
-  assert C.message_sizes(4096, 65535) == [4096, 8192, 16384, 32768]
-  assert C.element_count(4096, 4, 8) == 1024
-  assert C.element_count(4096, 4, 6) == 1020  # rounded down so 6 devices split it evenly
-  assert C.buffer_lengths("reduce_scatter", 1024, 8) == (1024, 128)  # size = full input
-  assert C.buffer_lengths("all_gather", 1024, 8) == (128, 1024)  # size = full output
-  assert C.buffer_lengths("all_to_all", 1024, 8) == (1024, 1024)
+  assert nccl.message_sizes(4096, 65536) == [4096, 8192, 16384, 32768, 65536]
+  assert nccl.message_sizes(4096, 65535) == [4096, 8192, 16384, 32768]
+  assert nccl.element_count(4096, 4, 8) == 1024
+  assert nccl.element_count(4096, 4, 6) == 1020  # rounded down so 6 devices split it evenly
+  assert nccl.buffer_lengths("reduce_scatter", 1024, 8) == (1024, 128)  # size = full input
+  assert nccl.buffer_lengths("all_gather", 1024, 8) == (128, 1024)  # size = full output
+  assert nccl.buffer_lengths("all_to_all", 1024, 8) == (1024, 1024)
 
 
 def test_reference_semantics():
   members, L, B = [5, 2, 7, 0], 8, 48
-  x = {m: C.input_block(m, L, B) for m in members}
+  x = {m: nccl.input_block(m, L, B) for m in members}
   assert len({tuple(v) for v in x.values()}) == 4  # device-dependent inputs
   total = sum(x.values())
-  np.testing.assert_array_equal(C.expected_block("all_reduce", members, 1, L, B), total)
-  np.testing.assert_array_equal(C.expected_block("reduce_scatter", members, 3, L, B), total[6:8])
-  np.testing.assert_array_equal(C.expected_block("broadcast", members, 2, L, B), x[5])
-  ag = C.expected_block("all_gather", members, 0, 2, B)
+  np.testing.assert_array_equal(nccl.expected_block("all_reduce", members, 1, L, B), total)
+  np.testing.assert_array_equal(nccl.expected_block("reduce_scatter", members, 3, L, B), total[6:8])
+  np.testing.assert_array_equal(nccl.expected_block("broadcast", members, 2, L, B), x[5])
+  ag = nccl.expected_block("all_gather", members, 0, 2, B)
   np.testing.assert_array_equal(ag, np.concatenate([x[m][:2] for m in members]))
-  a2a = C.expected_block("all_to_all", members, 1, L, B)  # chunk 1 of everyone, in rank order
+  a2a = nccl.expected_block("all_to_all", members, 1, L, B)  # chunk 1 of everyone, in rank order
   np.testing.assert_array_equal(a2a, np.concatenate([x[m][2:4] for m in members]))
 
 
 def test_inputs_sum_exactly_in_low_precision():
   for dtype, n in (("bfloat16", 8), ("bfloat16", 64), ("float16", 256), ("float32", 1024)):
-    bound = C.value_bound("all_reduce", dtype, n)
-    assert bound >= 1 and n * bound < 2 ** C.MANTISSA_BITS[dtype], (dtype, n, bound)
-  assert C.value_bound("all_gather", "bfloat16", 64) == C.MAX_BOUND  # no arithmetic
+    bound = nccl.value_bound("all_reduce", dtype, n)
+    assert bound >= 1 and n * bound < 2 ** nccl.MANTISSA_BITS[dtype], (dtype, n, bound)
+  assert nccl.value_bound("all_gather", "bfloat16", 64) == nccl.MAX_BOUND  # no arithmetic
 
 
 def test_validate_names_the_flag():
@@ -142,7 +142,7 @@ def device_checks() -> None:
     out[name] = [bool(r["correct"]), r["max_abs_err"], r["lowering"], r["n"]]
 
   row, cube = C.line_group(8), C.mesh_group(MeshConfig(2, 2, 2), ("fsdp", "expert"))
-  for collective in C.COLLECTIVES:
+  for collective in nccl.COLLECTIVES:
     run(f"{collective}/row", collective, row)
     run(f"{collective}/cube", collective, cube, dtype="bfloat16")
   axes = cube.axes
@@ -169,7 +169,7 @@ def checks():
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("collective", C.COLLECTIVES)
+@pytest.mark.parametrize("collective", nccl.COLLECTIVES)
 def test_collectives_are_correct(checks, collective):
   for where, n in (("row", 8), ("cube", 4)):
     correct, err, lowering, got_n = checks[f"{collective}/{where}"]
@@ -180,7 +180,7 @@ def test_collectives_are_correct(checks, collective):
     assert lowering == want, (collective, lowering)
 
 
-@pytest.mark.parametrize("collective", C.COLLECTIVES)
+@pytest.mark.parametrize("collective", nccl.COLLECTIVES)
 def test_wrong_results_are_flagged(checks, collective):
   correct, err, _, _ = checks[f"{collective}/wrong"]
   assert not correct and err > 0, (collective, err)
@@ -203,7 +203,7 @@ def test_cli_writes_csv_and_png(tmp_path):
   assert "fake CPU devices share them" in proc.stdout  # says what the figures describe
   columns, rows = read_csv(tmp_path / "collectives.csv")
   assert tuple(columns) == C.CSV_COLUMNS
-  assert len(rows) == len(C.COLLECTIVES) * 2 * 2  # collectives x device counts x sizes
+  assert len(rows) == len(nccl.COLLECTIVES) * 2 * 2  # collectives x device counts x sizes
   assert {r["n"] for r in rows} == {"2", "8"}
   assert {r["size_bytes"] for r in rows} == {"4096", "8192"}
   assert all(r["correct"] == "True" and float(r["busbw_GBps"]) > 0 for r in rows)
@@ -211,7 +211,7 @@ def test_cli_writes_csv_and_png(tmp_path):
     algbw = int(r["size_bytes"]) / float(r["time_s"]) / 1e9
     assert float(r["algbw_GBps"]) == pytest.approx(algbw, rel=1e-6)
     assert float(r["busbw_GBps"]) == pytest.approx(
-        algbw * C.bus_factor(r["collective"], int(r["n"])), rel=1e-6)
+        algbw * nccl.bus_factor(r["collective"], int(r["n"])), rel=1e-6)
   assert (tmp_path / "collectives.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -256,6 +256,6 @@ def test_two_processes(tmp_path):
   assert codes == [0, 0], (logs[0][-3000:], logs[1][-3000:])
   assert "2 processes, 8 devices" in logs[0]
   _, rows = read_csv(tmp_path / "out0" / "collectives.csv")
-  assert len(rows) == len(C.COLLECTIVES) * 2
+  assert len(rows) == len(nccl.COLLECTIVES) * 2
   assert all(r["processes"] == "2" and r["correct"] == "True" for r in rows)
   assert not (tmp_path / "out1").exists()  # only process 0 writes

@@ -9,7 +9,7 @@ import pytest
 from configs import zaya1_tiny
 from zaya_jax.config import build_group
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.perf import accelerators, gemm, roofline, sizing
+from zaya_jax.perf import accelerators, gemm, gemm_table, roofline, sizing
 from tests.perf.cli import run_concurrently
 
 TINY = [gemm.GemmShape("square", "square 16", 16, 16, 16),
@@ -93,7 +93,7 @@ def test_table_round_trip_exact_interpolated_and_missing_dtype(tmp_path):
   rows = gemm.run_sweep(TINY, ["float32"], repeats=1, warmup=1, log=lambda _: None)
   path = str(tmp_path / "g.csv")
   gemm.write_csv(rows, path)
-  table = gemm.GemmTable.from_csv(path)
+  table = gemm_table.GemmTable.from_csv(path)
   assert table.dtypes == ("float32",)
   for r in rows:  # exact shapes: the measured time (6 significant digits in the CSV)
     assert table.seconds(r.shape, "float32") == pytest.approx(r.seconds, rel=1e-5)
@@ -110,7 +110,7 @@ def test_table_round_trip_exact_interpolated_and_missing_dtype(tmp_path):
 def test_table_interpolation_is_inverse_square_distance_geometric_mean():
   # 64^3 at 1 TFLOP/s and 256x64x64 at 4 TFLOP/s: 128x64x64 lies 1 (log2) from each, so its
   # rate is their geometric mean, 2 TFLOP/s.
-  table = gemm.GemmTable([("float32", 64, 64, 64, gemm.gemm_flops(64, 64, 64) / 1e12),
+  table = gemm_table.GemmTable([("float32", 64, 64, 64, gemm.gemm_flops(64, 64, 64) / 1e12),
                           ("float32", 256, 64, 64, gemm.gemm_flops(256, 64, 64) / 4e12)])
   assert table.achieved_flops(128, 64, 64, "float32") == pytest.approx(2e12)
   assert table.seconds(sizing.Gemm("g", 128, 64, 64, 1), "float32") == pytest.approx(
@@ -119,7 +119,7 @@ def test_table_interpolation_is_inverse_square_distance_geometric_mean():
   want = math.exp((math.log(4e12) + math.log(1e12) / 9) / (1 + 1 / 9))
   assert table.achieved_flops(512, 64, 64, "float32") == pytest.approx(want)
   # Beyond the measured range: the nearest shape's rate (no extrapolation).
-  one = gemm.GemmTable([("float32", 64, 64, 64, 1e-6)])
+  one = gemm_table.GemmTable([("float32", 64, 64, 64, 1e-6)])
   rate = gemm.gemm_flops(64, 64, 64) / 1e-6
   assert one.seconds(sizing.Gemm("g", 8192, 8192, 8192, 1), "float32") == pytest.approx(
       gemm.gemm_flops(8192, 8192, 8192) / rate)
@@ -130,7 +130,7 @@ def test_table_is_the_roofline_gemm_seconds_hook():
   # model GEMM's training time (forward, dgrad, wgrad, x count) is 3 x its FLOPs / 1e12.
   rows = [(dtype, m, n, 64, gemm.gemm_flops(m, n, 64) / 1e12) for dtype in gemm.DTYPES
           for m in (64, 4096) for n in (64, 4096)]
-  table = gemm.GemmTable(rows)
+  table = gemm_table.GemmTable(rows)
   cfg = build_group(ModelConfig, zaya1_tiny.get_config(), "model")
   est = roofline.estimate(cfg, accelerators.get_profile("mi300x"), num_devices=1, batch_size=2,
                           seq_len=64, dtype="bfloat16", gemm_seconds=table.seconds)
@@ -143,7 +143,7 @@ def test_table_rejects_a_csv_without_the_columns(tmp_path):
   path = tmp_path / "bad.csv"
   path.write_text("kernel,seconds\ncopy,1.0\n")
   with pytest.raises(ValueError, match="missing columns"):
-    gemm.GemmTable.from_csv(str(path))
+    gemm_table.GemmTable.from_csv(str(path))
 
 
 def test_cli_writes_csv_and_png(cli_runs):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from zaya_jax.perf import mesh_sweep
+from zaya_jax.perf import hlo, mesh_sweep
 from zaya_jax.config.mesh import parse_meshes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +61,7 @@ ENTRY %main (x: f32[1,16], init: (s32[], f32[8,16])) -> f32[8,16] {
 
 
 def test_collective_bytes_counts_each_kind_and_loop_trips():
-  got = mesh_sweep.collective_bytes(HLO_COMPILED)
+  got = hlo.collective_bytes(HLO_COMPILED)
   assert got == {
       "all-gather": 8 * 16 * 4,  # result bytes
       "all-reduce": 8 * 16 * 4 + 16 * 4,  # operands (f32[8,16] + the second operand f32[1,16]);
@@ -71,12 +71,12 @@ def test_collective_bytes_counts_each_kind_and_loop_trips():
       "collective-permute": 0,
       "ragged-all-to-all": 0,
   }
-  ops = {o.name: o for o in mesh_sweep.collective_ops(HLO_COMPILED)}
+  ops = {o.name: o for o in hlo.collective_ops(HLO_COMPILED)}
   assert (ops["a2a"].group_size, ops["rs"].group_size, ops["ag"].group_size, ops["ar"].group_size) == (4, 4, 8, 8)
   assert ops["a2a"].off_shard_bytes == 3 * 8 * 16 * 4 * 3 / 4
   # Only shard_map collectives of the exchange kinds count as MoE token exchange.
-  assert mesh_sweep.moe_exchange_bytes(list(ops.values())) == ops["a2a"].off_shard_bytes
-  assert mesh_sweep.dot_flops(HLO_COMPILED) == 3 * 2 * 8 * 4 * 16
+  assert hlo.moe_exchange_bytes(list(ops.values())) == ops["a2a"].off_shard_bytes
+  assert hlo.dot_flops(HLO_COMPILED) == 3 * 2 * 8 * 4 * 16
 
 
 def test_collective_bytes_pre_optimisation_hlo_reads_trip_count_from_condition():
@@ -87,7 +87,7 @@ def test_collective_bytes_pre_optimisation_hlo_reads_trip_count_from_condition()
                    "ragged-all-to-all(v, big, o, s, o, s), channel_id=1")
           .replace("  %w = ".replace("%", ""), "  big = f32[32,16]{1,0} parameter(2)\n  o = s32[4]{0} "
                    "parameter(3)\n  s = s32[4]{0} parameter(4)\n  w = "))
-  got = mesh_sweep.collective_bytes(text)
+  got = hlo.collective_bytes(text)
   assert got["ragged-all-to-all"] == 3 * 8 * 16 * 4
   assert got["all-to-all"] == 0 and got["reduce-scatter"] == 3 * 8 * 16 * 4
 

@@ -3,7 +3,7 @@
 - Parameters: `transformers.ZayaForCausalLM` built from `ModelConfig.to_hf_dict()` (numel of
   its parameters), our NNX model's `nnx.Param` leaves, and the *active* count measured as the
   parameters that receive a gradient when every token is routed to one expert.
-- FLOPs: the dot FLOPs of the compiled forward's HLO (`mesh_sweep.dot_flops`, scan trip
+- FLOPs: the dot FLOPs of the compiled forward's HLO (`hlo.dot_flops`, scan trip
   counts applied) of a tiny config with `force_balanced_routing`; training = 3 x forward
   checked on the compiled value-and-grad.
 - ZAYA1-base's published sizes, roofline arithmetic, rules and the CLI.
@@ -26,7 +26,7 @@ from configs import zaya1_tiny
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.transformer import ZayaForCausalLM as JaxZaya
 from zaya_jax.config.mesh import MeshConfig
-from zaya_jax.perf.mesh_sweep import dot_flops
+from zaya_jax.perf.hlo import dot_flops
 from zaya_jax.perf import roofline, sizing
 from zaya_jax.perf.accelerators import get_profile
 from tests.model import hf_reference

@@ -4,7 +4,7 @@
 `benchmark(config, ...)` builds the jitted training step exactly as `zaya_jax.train.loop`
 does (`abstract_model` -> `make_optimizer` / `make_schedule` -> `train_state_shardings` ->
 `make_train_step(..., balance=...)`, state from `init_train_state`), feeds it one synthetic
-batch (`zaya_jax.perf.mesh_sweep.synthetic_batch`: random token ids, one document per
+batch (`zaya_jax.perf.synthetic.synthetic_batch`: random token ids, one document per
 row), runs `warmup` steps (the first compiles) and times `steps` more, each waited for.
 
 Figures (one dict, `BenchResult`):
@@ -45,7 +45,7 @@ import ml_collections
 from zaya_jax.config import BalanceConfig, TrainConfig, synthetic_configs
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.mesh import MeshConfig, check_divisibility, make_mesh, use_mesh
-from zaya_jax.perf.mesh_sweep import synthetic_batch
+from zaya_jax.perf.synthetic import synthetic_batch
 from pallas_kernels import timing
 from zaya_jax.perf import accelerators
 from zaya_jax.perf.sizing import train_flops_per_token

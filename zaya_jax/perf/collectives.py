@@ -34,11 +34,9 @@ Letters: L elements of one device's buffer; n devices in a group.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 import re
-import textwrap
 from typing import Any, Callable, Sequence
 
 import jax
@@ -46,19 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from zaya_jax.parallel.mesh import EXPERT, MESH_AXES, MeshConfig, make_mesh
+from zaya_jax.perf import report
+from zaya_jax.perf.nccl import (COLLECTIVES, bandwidths, buffer_lengths, element_count,
+                                expected_block, input_block, value_bound)
 from pallas_kernels.timing import median_seconds
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
-REDUCING = ("all_reduce", "reduce_scatter")  # the only ones that do arithmetic
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int32": jnp.int32}
-# Integers below 2**bits are exact in the dtype.
-MANTISSA_BITS = {"float32": 24, "bfloat16": 8, "float16": 11, "int32": 31}
-MAX_BOUND = 48  # largest |input value|
 HLO_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
                    "collective-broadcast", "collective-permute")
 CSV_COLUMNS = ("collective", "lowering", "mesh", "axes", "n", "num_devices", "processes", "dtype",
@@ -90,55 +84,6 @@ class Group:
     others = [i for i, a in enumerate(names) if a not in self.axes]
     order = others + [names.index(a) for a in self.axes]
     return ids.transpose(order).reshape(-1, self.n)
-
-
-# --------------------------------------------------------------------------------------------
-# nccl-tests conventions: sizes and bandwidths.
-# --------------------------------------------------------------------------------------------
-
-
-def bus_factor(collective: str, n: int) -> float:
-  """busbw / algbw of nccl-tests for a group of `n` devices (0 for n = 1, except broadcast).
-
-  Raises:
-    ValueError: unknown collective.
-  """
-  factors = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-             "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n, "broadcast": 1.0}
-  if collective not in factors:
-    raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
-  return factors[collective]
-
-
-def bandwidths(collective: str, n: int, size_bytes: int, seconds: float) -> tuple[float, float]:
-  """(algbw, busbw) in GB/s (1e9 bytes/s): size_bytes / seconds, times `bus_factor`."""
-  algbw = size_bytes / seconds / 1e9
-  return algbw, algbw * bus_factor(collective, n)
-
-
-def buffer_lengths(collective: str, count: int, n: int) -> tuple[int, int]:
-  """(input, output) elements per device for a message of `count` elements (nccl-tests "size"
-  / itemsize): reduce-scatter's input and all-gather's output are the full `count`."""
-  if collective == "reduce_scatter":
-    return count, count // n
-  if collective == "all_gather":
-    return count // n, count
-  return count, count
-
-
-def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
-  """min_bytes, 2 min_bytes, 4 min_bytes, ... up to and including at most max_bytes."""
-  sizes, size = [], min_bytes
-  while size <= max_bytes:
-    sizes.append(size)
-    size *= 2
-  return sizes
-
-
-def element_count(size_bytes: int, itemsize: int, n: int) -> int:
-  """Elements of a `size_bytes` message, rounded down to a multiple of `n` (so reduce-scatter,
-  all-gather and all-to-all split it evenly); the row then records the size actually moved."""
-  return size_bytes // itemsize // n * n
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,42 +136,8 @@ def lowered_ops(hlo_text: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Inputs and the numpy reference.
+# Inputs and the check against the numpy reference (`zaya_jax.perf.nccl`).
 # --------------------------------------------------------------------------------------------
-
-
-def value_bound(collective: str, dtype: str, n: int) -> int:
-  """B: |inputs| <= B, so a sum of n of them (any order) is exact in `dtype`."""
-  if collective not in REDUCING:
-    return MAX_BOUND
-  return max(1, min(MAX_BOUND, (2 ** MANTISSA_BITS[dtype] - 1) // n))
-
-
-def input_block(device: int, length: int, bound: int) -> np.ndarray:
-  """[L] int64: device `device`'s input, ((device * 131 + i * 7) % (2B + 1)) - B."""
-  i = np.arange(length, dtype=np.int64)
-  return (device * 131 + i * 7) % (2 * bound + 1) - bound
-
-
-def expected_block(collective: str, members: Sequence[int], rank: int, in_len: int,
-                   bound: int) -> np.ndarray:
-  """[L_out] int64: what `collective` must leave on rank `rank` of the group `members`."""
-  n = len(members)
-  if collective == "broadcast":
-    return input_block(members[0], in_len, bound)
-  if collective in REDUCING:
-    total = sum(input_block(m, in_len, bound) for m in members)
-    if collective == "all_reduce":
-      return total
-    chunk = in_len // n
-    return total[rank * chunk:(rank + 1) * chunk]
-  if collective == "all_gather":
-    return np.concatenate([input_block(m, in_len, bound) for m in members])
-  if collective == "all_to_all":  # chunk j of the output is chunk `rank` of member j's input
-    chunk = in_len // n
-    return np.concatenate([input_block(m, in_len, bound)[rank * chunk:(rank + 1) * chunk]
-                           for m in members])
-  raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
 
 
 def make_input(group: Group, in_len: int, bound: int, dtype: str) -> jax.Array:
@@ -412,10 +323,7 @@ def wrong_results(rows: Sequence[dict[str, Any]]) -> str | None:
 
 def write_csv(rows: Sequence[dict[str, Any]], path: str) -> None:
   """One line per row, columns `CSV_COLUMNS`."""
-  with open(path, "w", newline="", encoding="utf-8") as f:
-    writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
+  report.write_csv(path, CSV_COLUMNS, rows)
 
 
 def human_bytes(size: float) -> str:
@@ -431,17 +339,14 @@ def format_table(rows: Sequence[dict[str, Any]], header: bool = True) -> str:
   widths = (14, 20, 5, 14, 3, 7, 10, 11, 9, 9, 5)
   head = ("collective", "lowering", "mesh", "axes", "n", "size", "count", "time us", "algbw",
           "busbw", "check")
-  lines = [head] if header else []
+  lines = []
   for r in rows:
     lines.append((r["collective"], r["lowering"], r["mesh"], r["axes"], r["n"],
                   human_bytes(r["size_bytes"]), r["count"], f"{r['time_s'] * 1e6:.1f}",
                   f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
                   "ok" if r["correct"] else "WRONG"))
-  def cells(line):  # text columns left-aligned, numbers right-aligned
-    return " ".join(str(x).ljust(w) if i < 4 else str(x).rjust(w)
-                    for i, (x, w) in enumerate(zip(line, widths))).rstrip()
-
-  return "\n".join(cells(line) for line in lines)
+  # Text columns left-aligned, numbers right-aligned.
+  return report.text_table(head if header else None, lines, left=range(4), widths=widths, sep=" ")
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
@@ -450,8 +355,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
   panels = list(dict.fromkeys((r["mesh"], r["axes"], r["n"]) for r in rows))
   cols = min(3, len(panels))
   nrows = -(-len(panels) // cols)
-  fig = Figure(figsize=(5.0 * cols, 4.0 * nrows + 0.6))
-  FigureCanvasAgg(fig)
+  fig = report.new_figure(5.0 * cols, 4.0 * nrows + 0.6)
   axs = np.atleast_1d(fig.subplots(nrows, cols, squeeze=False)).reshape(-1)
   for ax, (mesh, axes, n) in zip(axs, panels):
     for collective in dict.fromkeys(r["collective"] for r in rows):
@@ -476,6 +380,4 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
     ax.legend(fontsize=7)
   for ax in axs[len(panels):]:
     ax.set_visible(False)
-  fig.suptitle(textwrap.fill(title, 140), fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  report.save_figure(fig, path, title, wrap=140)

@@ -16,26 +16,24 @@ measures the same thing on the machine it runs on:
   the fraction of the peak (the profile's, or on a host without one the best square matmul
   of the same run, which the rows say) and of the sweep's best, and marks shapes below
   `low_fraction` of the best as out of the high-utilisation regime.
-- `GemmTable`: the CSV read back, with `seconds(gemm, dtype)` usable as the sizing
-  estimate's `gemm_seconds` hook (its interpolation rule is in its docstring).
+- `write_csv` / `format_table` / `plot`: the results (`zaya_jax.perf.report` writes them); the
+  CSV is read back by `zaya_jax.perf.gemm_table.GemmTable` as the sizing estimate's
+  `gemm_seconds` hook.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
 import math
-import textwrap
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from zaya_jax.config.model import ModelConfig
+from zaya_jax.perf import report
 from zaya_jax.perf.accelerators import AcceleratorProfile
 from zaya_jax.perf.sizing import model_gemms
 from pallas_kernels.timing import median_seconds
@@ -271,15 +269,11 @@ CSV_COLUMNS = ("kind", "name", "dtype", "m", "n", "k", "count", "flops", "second
 
 def write_csv(results: Sequence[GemmResult], path: str) -> None:
   """One line per result, columns CSV_COLUMNS (seconds in s, *_tflops in TFLOP/s)."""
-  with open(path, "w", newline="", encoding="utf-8") as f:
-    writer = csv.writer(f)
-    writer.writerow(CSV_COLUMNS)
-    for r in results:
-      s = r.shape
-      writer.writerow((s.kind, s.name, r.dtype, s.m, s.n, s.k, s.count, gemm_flops(s.m, s.n, s.k),
-                       f"{r.seconds:.6e}", f"{r.tflops:.6g}", f"{r.peak_tflops:.6g}",
-                       r.peak_source, f"{r.frac_of_peak:.4f}", f"{r.frac_of_best:.4f}",
-                       int(r.low_utilisation)))
+  report.write_csv(path, CSV_COLUMNS, (dict(zip(CSV_COLUMNS, (
+      r.shape.kind, r.shape.name, r.dtype, r.shape.m, r.shape.n, r.shape.k, r.shape.count,
+      gemm_flops(r.shape.m, r.shape.n, r.shape.k), f"{r.seconds:.6e}", f"{r.tflops:.6g}",
+      f"{r.peak_tflops:.6g}", r.peak_source, f"{r.frac_of_peak:.4f}", f"{r.frac_of_best:.4f}",
+      int(r.low_utilisation)))) for r in results))
 
 
 def format_table(results: Sequence[GemmResult]) -> str:
@@ -289,102 +283,7 @@ def format_table(results: Sequence[GemmResult]) -> str:
             f"{gemm_flops(r.shape.m, r.shape.n, r.shape.k) / 1e9:.3g}", f"{r.seconds * 1e3:.3f}",
             f"{r.tflops:.4g}", f"{100 * r.frac_of_peak:.1f}", f"{100 * r.frac_of_best:.1f}",
             "*" if r.low_utilisation else "") for r in results]
-  widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
-  return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(line, widths)).rstrip()
-                   for line in [head, *lines])
-
-
-# --------------------------------------------------------------------------------------------
-# The measured table, as the sizing estimate's `gemm_seconds` hook.
-# --------------------------------------------------------------------------------------------
-
-
-class GemmTable:
-  """Measured GEMM times, looked up by shape and dtype.
-
-  `seconds(gemm, dtype)` is the time of ONE [M, K] @ [K, N] product (the caller multiplies by
-  `gemm.count`):
-  - a measured (M, N, K, dtype) returns its measured seconds (the least, if measured twice);
-  - otherwise the achieved FLOP/s is interpolated from the `neighbours` (default 4) measured
-    shapes of that dtype nearest in (log2 M, log2 N, log2 K), as their weighted geometric mean
-    with inverse-square-distance weights (Shepard interpolation in log space), and
-    seconds = 2 M N K / that rate. The rate therefore lies between the neighbours' rates: a
-    shape beyond the measured range gets the rate of the nearest measured ones (no
-    extrapolation of the latency-bound or the peak regime).
-
-  Raises (from `seconds`):
-    ValueError: naming the dtypes the table holds, for a dtype it has no row for.
-  """
-
-  def __init__(self, rows: Iterable[tuple[str, int, int, int, float]], neighbours: int = 4,
-               source: str = "table"):
-    """`rows`: (dtype, M, N, K, seconds) measurements; `source` names them in errors.
-
-    Raises:
-      ValueError: for a non-positive dimension or time, or neighbours < 1.
-    """
-    if neighbours < 1:
-      raise ValueError(f"neighbours={neighbours} must be >= 1")
-    self.neighbours, self.source = neighbours, source
-    self._exact: dict[tuple[str, int, int, int], float] = {}
-    for dtype, m, n, k, seconds in rows:
-      if min(m, n, k) < 1 or not seconds > 0:
-        raise ValueError(f"{source}: row {dtype} {m}x{n}x{k} {seconds} s: dimensions and "
-                         "seconds must be positive")
-      key = (canonical_dtype(dtype), int(m), int(n), int(k))
-      self._exact[key] = min(seconds, self._exact.get(key, math.inf))
-    self._by_dtype: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for dtype in sorted({key[0] for key in self._exact}):
-      keys = [key for key in self._exact if key[0] == dtype]
-      log_mnk = np.log2(np.array([key[1:] for key in keys], float))
-      log_rate = np.log([gemm_flops(*key[1:]) / self._exact[key] for key in keys])
-      self._by_dtype[dtype] = (log_mnk, log_rate)
-
-  @classmethod
-  def from_csv(cls, path: str, neighbours: int = 4) -> GemmTable:
-    """The table in a `write_csv` file (columns dtype, m, n, k, seconds are read).
-
-    Raises:
-      ValueError: if the file lacks one of those columns or has no rows.
-    """
-    with open(path, newline="", encoding="utf-8") as f:
-      reader = csv.DictReader(f)
-      missing = {"dtype", "m", "n", "k", "seconds"} - set(reader.fieldnames or ())
-      if missing:
-        raise ValueError(f"{path}: not a bench_gemm CSV, missing columns {sorted(missing)}")
-      rows = [(r["dtype"], int(r["m"]), int(r["n"]), int(r["k"]), float(r["seconds"]))
-              for r in reader]
-    if not rows:
-      raise ValueError(f"{path}: no measurements")
-    return cls(rows, neighbours, source=path)
-
-  @property
-  def dtypes(self) -> tuple[str, ...]:
-    """The dtypes with measurements."""
-    return tuple(self._by_dtype)
-
-  def achieved_flops(self, m: int, n: int, k: int, dtype: str) -> float:
-    """Measured or interpolated FLOP/s of an (M, N, K) product in `dtype` (rule: class doc)."""
-    dtype = canonical_dtype(dtype)
-    if dtype not in self._by_dtype:
-      raise ValueError(f"{self.source} has no {dtype!r} measurements (it holds {self.dtypes}); "
-                       f"rerun launch.bench_gemm with --dtypes={dtype}")
-    if (dtype, m, n, k) in self._exact:
-      return gemm_flops(m, n, k) / self._exact[dtype, m, n, k]
-    log_mnk, log_rate = self._by_dtype[dtype]
-    dist2 = np.sum((log_mnk - np.log2([m, n, k])) ** 2, axis=1)
-    nearest = np.argsort(dist2, kind="stable")[:self.neighbours]
-    weights = 1.0 / dist2[nearest]
-    return float(np.exp(np.sum(weights * log_rate[nearest]) / np.sum(weights)))
-
-  def seconds(self, gemm: Any, dtype: str) -> float:
-    """Seconds of one product of `gemm` (anything with int `.m`, `.n`, `.k`, e.g.
-    `sizing.Gemm`) in `dtype` ("bfloat16" | "float32" or an alias)."""
-    m, n, k = int(gemm.m), int(gemm.n), int(gemm.k)
-    dtype = canonical_dtype(dtype)
-    if (dtype, m, n, k) in self._exact:
-      return self._exact[dtype, m, n, k]
-    return gemm_flops(m, n, k) / self.achieved_flops(m, n, k, dtype)
+  return report.text_table(head, lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,8 +300,7 @@ def plot(results: Sequence[GemmResult], path: str, title: str) -> None:
   dtypes = list(dict.fromkeys(r.dtype for r in results))
   grid_dtypes = [d for d in dtypes if any(r.dtype == d and r.shape.kind == "grid" for r in results)]
   width = 7.0 + 5.5 * len(grid_dtypes)  # inches
-  fig = Figure(figsize=(width, 6.0))
-  FigureCanvasAgg(fig)
+  fig = report.new_figure(width, 6.0)
   axes = fig.subplots(1, 1 + len(grid_dtypes), squeeze=False)[0]
   ax = axes[0]
   for dtype, style in zip(dtypes, ("-", "--", ":")):
@@ -457,9 +355,7 @@ def plot(results: Sequence[GemmResult], path: str, title: str) -> None:
     ax.set_xlabel("N")
     ax.set_ylabel("M")
     ax.set_title(f"{dtype} TFLOP/s, K = {rows[0].shape.k}")
-  fig.suptitle(textwrap.fill(title, int(16 * width)), fontsize=8)  # ~16 characters per inch
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  report.save_figure(fig, path, title, wrap=int(16 * width))  # ~16 characters per inch
 
 
 def _fixed(r: GemmResult, kind: str) -> int:

@@ -22,20 +22,17 @@ NumPy once per size, outside the timing.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
 import glob
 import os
-import textwrap
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
+from zaya_jax.perf import report
 from zaya_jax.perf.accelerators import AcceleratorProfile
 from pallas_kernels.timing import median_seconds
 
@@ -220,14 +217,11 @@ CSV_COLUMNS = ("kernel", "dtype", "array_bytes", "elements", "bytes_moved", "sec
 
 def write_csv(results: Sequence[StreamResult], path: str) -> None:
   """One line per result, columns CSV_COLUMNS (bytes, seconds, GB/s; peak empty without one)."""
-  with open(path, "w", newline="", encoding="utf-8") as f:
-    writer = csv.writer(f)
-    writer.writerow(CSV_COLUMNS)
-    for r in results:
-      peak = "" if r.peak_gb_per_s is None else f"{r.peak_gb_per_s:.6g}"
-      frac = "" if r.peak_gb_per_s is None else f"{r.gb_per_s / r.peak_gb_per_s:.4f}"
-      writer.writerow((r.kernel, r.dtype, r.array_bytes, r.elements, r.bytes_moved,
-                       f"{r.seconds:.6e}", f"{r.gb_per_s:.6g}", peak, frac, int(r.correct)))
+  report.write_csv(path, CSV_COLUMNS, (dict(zip(CSV_COLUMNS, (
+      r.kernel, r.dtype, r.array_bytes, r.elements, r.bytes_moved, f"{r.seconds:.6e}",
+      f"{r.gb_per_s:.6g}", None if r.peak_gb_per_s is None else f"{r.peak_gb_per_s:.6g}",
+      None if r.peak_gb_per_s is None else f"{r.gb_per_s / r.peak_gb_per_s:.4f}",
+      int(r.correct)))) for r in results))
 
 
 def format_table(results: Sequence[StreamResult]) -> str:
@@ -237,15 +231,13 @@ def format_table(results: Sequence[StreamResult]) -> str:
   cell = {(r.array_bytes, r.kernel): f"{r.gb_per_s:.2f}{'' if r.correct else '!'}" for r in results}
   head = ("bytes/array", *(f"{k} GB/s" for k in kernels))
   lines = [(_human(s), *(cell.get((s, k), "-") for k in kernels)) for s in sizes]
-  widths = [max(len(x) for x in col) for col in zip(head, *lines)]
-  return "\n".join("  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in [head, *lines])
+  return report.text_table(head, lines)
 
 
 def plot(results: Sequence[StreamResult], path: str, title: str) -> None:
   """PNG: GB/s vs bytes per array, one line per kernel; the profile's HBM bandwidth dashed
   where there is one; on a CPU the host's cache sizes as vertical lines."""
-  fig = Figure(figsize=(8.0, 5.5))
-  FigureCanvasAgg(fig)
+  fig = report.new_figure(8.0, 5.5)
   ax = fig.subplots()
   for kernel, marker in zip(dict.fromkeys(r.kernel for r in results), "osv^"):
     rows = [r for r in results if r.kernel == kernel]
@@ -265,6 +257,4 @@ def plot(results: Sequence[StreamResult], path: str, title: str) -> None:
   ax.set_title(f"STREAM bandwidth, {results[0].dtype if results else ''}")
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  fig.suptitle(textwrap.fill(title, 110), fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  report.save_figure(fig, path, title, wrap=110)
