@@ -14,7 +14,8 @@ from absl import flags
 from absl.testing import flagsaver
 from tensorboardX.proto import event_pb2
 
-from launch import plot
+from launch import plot as plot_cli
+from zaya_jax.perf import run_plots as plot
 from zaya_jax.train import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -184,4 +185,4 @@ def test_plot_main_exits_with_the_error(tmp_path):
     flags.FLAGS.mark_as_parsed()
   with flagsaver.flagsaver(workdir=str(tmp_path / "nope")):
     with pytest.raises(SystemExit, match="launch.plot: --workdir=.*has no metrics.jsonl"):
-      plot.main(["plot"])
+      plot_cli.main(["plot"])
