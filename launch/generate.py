@@ -26,6 +26,7 @@ from flax import nnx
 
 from zaya_jax.checkpoint import (find_run_checkpoint, restore_model_state, saved_model_config,
                                  with_sharding)
+from zaya_jax.convert import load_pretrained
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from zaya_jax.generate import generate
 from zaya_jax.model import ZayaForCausalLM
@@ -95,7 +96,6 @@ def main(argv):
     if not os.path.isdir(_HF_DIR.value):
       sys.exit(f"--hf_dir={_HF_DIR.value}: no such directory (a local transformers "
                "save_pretrained directory; nothing is downloaded)")
-    from zaya_jax.convert.hf import load_pretrained  # local: imports safetensors only when needed
     try:
       model = load_pretrained(_HF_DIR.value, kernels=())
     except (OSError, ValueError) as e:

@@ -1,4 +1,4 @@
-"""HF export (`zaya_jax.convert.hf.save_pretrained`) round-trips `transformers.ZayaForCausalLM` exactly.
+"""HF export (`zaya_jax.convert.save_pretrained`) round-trips `transformers.ZayaForCausalLM` exactly.
 
 transformers 5.23 `from_pretrained` overwrites every router's skip balancing bias
 (`balancing_biases[-1]`) with -1 after loading (`ZayaPreTrainedModel._init_weights` assigns it
@@ -16,7 +16,8 @@ import transformers
 from flax import nnx
 
 from tests.model import hf_reference
-from zaya_jax.convert.hf import _SafetensorsReader, load_pretrained, save_pretrained, to_hf_state_dict
+from zaya_jax.convert import load_pretrained, save_pretrained, to_hf_state_dict
+from zaya_jax.convert.import_hf import SafetensorsReader
 
 # Attention + lm_head biases so every optional tensor is exercised; 3 layers (EDA on 1, 2).
 OVERRIDES = dict(attention_bias=True, lm_head_bias=True)
@@ -38,7 +39,7 @@ def imported(tmp_path_factory):
 
 def read_export(path):
   """Every tensor of an export directory (single file or shards), as float32 numpy."""
-  reader = _SafetensorsReader(str(path))
+  reader = SafetensorsReader(str(path))
   return {k: reader.get(k) for k in reader.keys()}
 
 

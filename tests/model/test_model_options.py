@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.model import hf_reference
 from tests.helpers import assert_close, random_model
-from zaya_jax.convert.hf import load_pretrained
+from zaya_jax.convert import load_pretrained
 from zaya_jax.model import ModelConfig
 
 # Tiny: 2 layers (the second sliding, window 4 < T), GQA 2, 4 experts + skip.

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tests.model import hf_reference
-from zaya_jax.convert.hf import load_pretrained
+from zaya_jax.convert import load_pretrained
 
 ATOL = 1e-4
 
