@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import ZayaForCausalLM
 
+from tests.convert.common import CONFIG, HF_ARCH, cli
 from tests.model import hf_reference
 from zaya_jax.generate import generate, greedy_generate_recompute
 from zaya_jax.convert import load_pretrained
@@ -107,8 +108,6 @@ def test_cached_generate_matches_transformers_generate(models):
 def test_generate_cli_on_a_run_and_an_hf_dir(tmp_path):
   """launch.generate on a workdir (step 0 imported by launch.convert_from_hf) and on the HF
   directory itself: same greedy text, a speed line; bad paths exit with one line."""
-  from tests.convert.test_launchers import CONFIG, HF_ARCH, cli
-
   hf, _ = hf_reference.build(seed=7, **HF_ARCH)
   hf.save_pretrained(tmp_path / "hf")
   cache = tmp_path / "jax_cache"

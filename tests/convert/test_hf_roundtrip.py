@@ -15,17 +15,12 @@ import torch
 import transformers
 from flax import nnx
 
+from tests.convert.common import read_export, reference_state, restore_skip_biases
 from tests.model import hf_reference
 from zaya_jax.convert import load_pretrained, save_pretrained, to_hf_state_dict
-from zaya_jax.convert.import_hf import SafetensorsReader
 
 # Attention + lm_head biases so every optional tensor is exercised; 3 layers (EDA on 1, 2).
 OVERRIDES = dict(attention_bias=True, lm_head_bias=True)
-
-
-def reference_state(hf):
-  """The HF state dict as float32 numpy, without the tied lm_head.weight."""
-  return {k: v.detach().float().numpy() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +30,6 @@ def imported(tmp_path_factory):
   path = tmp_path_factory.mktemp("hf_src")
   hf.save_pretrained(path)
   return hf, ids, load_pretrained(str(path))
-
-
-def read_export(path):
-  """Every tensor of an export directory (single file or shards), as float32 numpy."""
-  reader = SafetensorsReader(str(path))
-  return {k: reader.get(k) for k in reader.keys()}
-
-
-def restore_skip_biases(model, path):
-  """Undoes transformers' reset of the skip balancing bias on load (see the module docstring)."""
-  saved = read_export(path)
-  with torch.no_grad():
-    for i, layer in enumerate(model.model.layers):
-      layer.mlp.gate.balancing_biases.copy_(
-          torch.from_numpy(saved[f"model.layers.{i}.mlp.gate.balancing_biases"]))
 
 
 def from_pretrained(path):

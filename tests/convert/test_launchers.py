@@ -19,8 +19,6 @@ inputs exit non-zero with a message that names the problem.
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,37 +29,15 @@ import torch
 import transformers
 from flax import nnx
 
-from tests.convert.test_hf_roundtrip import read_export, reference_state, restore_skip_biases
+from tests.convert.common import CONFIG, HF_ARCH, cli, read_export, reference_state, restore_skip_biases
 from tests.model import hf_reference
-from tests.helpers import MODEL_OVERRIDES
 from zaya_jax.checkpoint import restore_model_state, with_sharding
 from zaya_jax.model import ModelConfig, ZayaForCausalLM
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
-# The HF twin of tests/helpers.py (MODEL_OVERRIDES) (vocab 320 as configs/zaya1_tiny.py, byte-tokenizer ids).
-HF_ARCH = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2,
-               layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, num_attention_heads=2,
-               num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32,
-               router_hidden_size=16, attention_bias=True, lm_head_bias=True,
-               pad_token_id=0, bos_token_id=1, eos_token_id=2)
-CONFIG = ["--config=configs/zaya1_tiny.py", *MODEL_OVERRIDES, "--config.model.attention_bias=True",
-          "--config.model.lm_head_bias=True", "--config.model.skip_mode=zero"]
 TRAIN = ["--config.train.seq_len=32", "--config.train.batch_size=2",
          f"--config.train.num_steps={STEPS}", "--config.train.warmup_steps=1",
          "--config.train.log_every=1", "--config.train.eval_batches=0"]
-
-
-def cli(module, *args, cache_dir, check=True):
-  """Runs `python -m module args` from the repo root on CPU; returns (exit code, output)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-  proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=env,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-  if check:
-    assert proc.returncode == 0, proc.stdout[-4000:]
-  return proc.returncode, proc.stdout
 
 
 @pytest.fixture(scope="module")
