@@ -16,14 +16,12 @@ or mpirun); only process 0 writes. Writes OUT/collectives.csv and OUT/collective
 non-zero if any result is wrong. All logic lives in `zaya_jax.perf.collectives`.
 """
 
-import os
 import sys
 
 import jax
 from absl import app, flags
 
 from zaya_jax.parallel import distributed
-from zaya_jax.config.mesh import parse_meshes
 from zaya_jax.parallel.mesh import use_cpu_devices
 from pallas_kernels import timing
 from zaya_jax.perf import collectives, nccl
@@ -49,27 +47,6 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's rank in [
 flags.mark_flags_as_required(["out"])
 
 
-def groups():
-  """The benchmark groups the flags ask for (ValueError naming the flag otherwise)."""
-  if _MESHES.value:
-    if _NUM_DEVICES.value:
-      raise ValueError("--num_devices and --meshes exclude each other; pass one of them")
-    return [collectives.mesh_group(cfg, tuple(_AXES.value))
-            for cfg in parse_meshes(_MESHES.value)]
-  if _NUM_DEVICES.value:
-    bad = [v for v in _NUM_DEVICES.value if not v.strip().isdigit() or int(v) < 2]
-    if bad:
-      raise ValueError(f"--num_devices: {','.join(bad)} is not a device count >= 2; e.g. 2,4,8")
-    counts = [int(v) for v in _NUM_DEVICES.value]
-  else:
-    counts = [2**k for k in range(1, jax.device_count().bit_length())]
-    if not counts:
-      raise ValueError(f"--num_devices: only {jax.device_count()} device; collectives need >= 2 "
-                       "(on CPU set --num_cpu_devices, or XLA_FLAGS="
-                       "--xla_force_host_platform_device_count=8)")
-  return [collectives.line_group(n) for n in counts]
-
-
 def parse_flags(argv):
   """absl flag parsing, with a malformed flag reported as one line."""
   try:
@@ -86,7 +63,7 @@ def main(argv):
                          _WARMUP.value, _DTYPE.value)
     use_cpu_devices(_NUM_CPU.value)
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    bench_groups = groups()
+    bench_groups = collectives.bench_groups(_MESHES.value, _AXES.value, _NUM_DEVICES.value)
     collectives.check_min_bytes(bench_groups, _MIN_BYTES.value, _DTYPE.value)
   except ValueError as e:
     sys.exit(f"invalid flags: {e}")
@@ -100,11 +77,8 @@ def main(argv):
                                _REPEATS.value, _WARMUP.value, log=log)
   wrong = collectives.wrong_results(rows)
   if lead:
-    os.makedirs(_OUT.value, exist_ok=True)
-    collectives.write_csv(rows, os.path.join(_OUT.value, "collectives.csv"))
-    collectives.plot(rows, os.path.join(_OUT.value, "collectives.png"),
-                     f"bus bandwidth, {_DTYPE.value}, median of {_REPEATS.value}. {note}")
-    print(f"\n{note}\nwrote {_OUT.value}/collectives.csv and collectives.png")
+    collectives.write_report(rows, _OUT.value, f"bus bandwidth, {_DTYPE.value}, median of "
+                             f"{_REPEATS.value}. {note}", note)
   if wrong:
     sys.exit(wrong)
 

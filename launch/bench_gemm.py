@@ -16,7 +16,6 @@ shapes below `--low_fraction` of the dtype's best are marked `*`. Writes OUT/ben
 and OUT/bench_gemm.png. All logic lives in `zaya_jax.perf.gemm`.
 """
 
-import os
 import sys
 
 from absl import app, flags
@@ -90,16 +89,7 @@ def main(argv):
         f"{profile.name if profile else 'measured (best square matmul of this run)'}", flush=True)
   results = gemm.run_sweep(shapes, gemm.parse_dtypes(_DTYPES.value), repeats=_REPEATS.value,
                            warmup=_WARMUP.value, profile=profile, low_fraction=_LOW.value)
-  os.makedirs(_OUT.value, exist_ok=True)
-  csv_path = os.path.join(_OUT.value, "bench_gemm.csv")
-  gemm.write_csv(results, csv_path)
-  gemm.plot(results, os.path.join(_OUT.value, "bench_gemm.png"), note)
-  print(f"\n{gemm.format_table(results)}")
-  for dtype in dict.fromkeys(r.dtype for r in results):
-    r = next(r for r in results if r.dtype == dtype)
-    print(f"{dtype} peak {r.peak_tflops:.4g} TFLOP/s ({r.peak_source})")
-  print(f"* = below {_LOW.value:.0%} of the dtype's best TFLOP/s in this sweep. {note}")
-  print(f"wrote {csv_path} and bench_gemm.png")
+  gemm.write_report(results, _OUT.value, note, _LOW.value)
 
 
 if __name__ == "__main__":

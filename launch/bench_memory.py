@@ -11,7 +11,6 @@ host). Writes OUT/bench_memory.csv and OUT/bench_memory.png; exits 1 if a result
 All logic lives in `zaya_jax.perf.memory`.
 """
 
-import os
 import sys
 
 from absl import app, flags
@@ -53,22 +52,9 @@ def main(argv):
   print(note, flush=True)
   results = memory.run_stream(_KERNELS.value, sizes, _DTYPE.value, repeats=_REPEATS.value,
                               warmup=_WARMUP.value, profile=profile)
-  os.makedirs(_OUT.value, exist_ok=True)
-  csv_path = os.path.join(_OUT.value, "bench_memory.csv")
-  memory.write_csv(results, csv_path)
-  memory.plot(results, os.path.join(_OUT.value, "bench_memory.png"), note)
-  print(f"\n{memory.format_table(results)}")
-  if profile is not None:
-    best = max(r.gb_per_s for r in results)
-    print(f"best {best:.1f} GB/s = {best / (profile.hbm_bandwidth / 1e9):.1%} of {profile.name} "
-          f"HBM {profile.hbm_bandwidth / 1e9:.0f} GB/s")
-  else:
-    print("no accelerator profile: no peak to compare with")
-  print(f"GB/s by STREAM counting (copy/scale 2 arrays, add/triad 3). {note}")
-  print(f"wrote {csv_path} and bench_memory.png")
-  wrong = [f"{r.kernel}@{r.array_bytes}B" for r in results if not r.correct]
+  wrong = memory.write_report(results, _OUT.value, note, profile)
   if wrong:
-    sys.exit(f"wrong results: {', '.join(wrong)}")
+    sys.exit(wrong)
 
 
 if __name__ == "__main__":

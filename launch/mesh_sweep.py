@@ -16,7 +16,6 @@ Writes OUT/mesh_sweep.csv and OUT/mesh_sweep.png. All logic lives in
 `zaya_jax.perf.mesh_sweep`.
 """
 
-import os
 import sys
 
 from absl import app, flags
@@ -59,16 +58,8 @@ def main(argv):
   rows = mesh_sweep.run_sweep(model_cfg, train_cfg, meshes, _DISPATCHES.value or [None],
                               batch_size=batch, seq_len=seq,
                               steps=0 if _COMPILE_ONLY.value else _STEPS.value, balance=balance)
-  os.makedirs(_OUT.value, exist_ok=True)
-  mesh_sweep.write_csv(rows, os.path.join(_OUT.value, "mesh_sweep.csv"))
-  mesh_sweep.plot(rows, os.path.join(_OUT.value, "mesh_sweep.png"),
-                  f"{_CONFIG.value.model.num_layers} layers, batch {batch} x seq {seq}. {note}")
-  print(f"\nbatch {batch} x seq {seq}, per device; collectives per step, all layers. {note}")
-  print(mesh_sweep.format_table(rows))
-  print("\nMoE token exchange per device per step (off-shard bytes) vs analytic minimum "
-        "(tokens x D x bytes x 2 directions x (n-1)/n x layers x fwd+bwd):")
-  print(mesh_sweep.format_exchange_table(rows))
-  print(f"\nwrote {_OUT.value}/mesh_sweep.csv and mesh_sweep.png")
+  mesh_sweep.write_report(rows, _OUT.value, num_layers=_CONFIG.value.model.num_layers,
+                          batch_size=batch, seq_len=seq, note=note)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any, Callable, Sequence
 
@@ -45,6 +46,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zaya_jax.config.mesh import parse_meshes
 from zaya_jax.parallel.mesh import EXPERT, MESH_AXES, MeshConfig, make_mesh
 from zaya_jax.perf import report
 from zaya_jax.perf.nccl import (COLLECTIVES, bandwidths, buffer_lengths, element_count,
@@ -215,6 +217,32 @@ def mesh_group(cfg: MeshConfig, axes: tuple[str, ...]) -> Group:
   return Group(make_mesh(cfg, pick_devices(math.prod(sizes), flag)), tuple(axes))
 
 
+def bench_groups(meshes: str | None, axes: Sequence[str], num_devices: Sequence[str] | None
+                 ) -> list[Group]:
+  """The groups the command line asks for: each mesh of `meshes` ("d,f,e;...") over `axes`,
+  else a line of n devices for each of `num_devices`, else 2, 4, ... up to all devices.
+
+  Raises:
+    ValueError: naming the flag (--meshes with --num_devices, a count below 2, one device).
+  """
+  if meshes:
+    if num_devices:
+      raise ValueError("--num_devices and --meshes exclude each other; pass one of them")
+    return [mesh_group(cfg, tuple(axes)) for cfg in parse_meshes(meshes)]
+  if num_devices:
+    bad = [v for v in num_devices if not v.strip().isdigit() or int(v) < 2]
+    if bad:
+      raise ValueError(f"--num_devices: {','.join(bad)} is not a device count >= 2; e.g. 2,4,8")
+    counts = [int(v) for v in num_devices]
+  else:
+    counts = [2**k for k in range(1, jax.device_count().bit_length())]
+    if not counts:
+      raise ValueError(f"--num_devices: only {jax.device_count()} device; collectives need >= 2 "
+                       "(on CPU set --num_cpu_devices, or XLA_FLAGS="
+                       "--xla_force_host_platform_device_count=8)")
+  return [line_group(n) for n in counts]
+
+
 def measure(collective: str, group: Group, size_bytes: int, dtype: str, repeats: int,
             warmup: int, op: Callable | None = None) -> dict[str, Any]:
   """One row: compile, check and time `collective` on `group` for a `size_bytes` message.
@@ -324,6 +352,15 @@ def wrong_results(rows: Sequence[dict[str, Any]]) -> str | None:
 def write_csv(rows: Sequence[dict[str, Any]], path: str) -> None:
   """One line per row, columns `CSV_COLUMNS`."""
   report.write_csv(path, CSV_COLUMNS, rows)
+
+
+def write_report(rows: Sequence[dict[str, Any]], out_dir: str, title: str, note: str) -> None:
+  """Writes `out_dir`/collectives.csv and collectives.png (under `title`) and prints where
+  (`note`: what the figures describe). Call it on process 0 only."""
+  os.makedirs(out_dir, exist_ok=True)
+  write_csv(rows, os.path.join(out_dir, "collectives.csv"))
+  plot(rows, os.path.join(out_dir, "collectives.png"), title)
+  print(f"\n{note}\nwrote {out_dir}/collectives.csv and collectives.png")
 
 
 def human_bytes(size: float) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -356,6 +357,22 @@ def plot(results: Sequence[GemmResult], path: str, title: str) -> None:
     ax.set_ylabel("M")
     ax.set_title(f"{dtype} TFLOP/s, K = {rows[0].shape.k}")
   report.save_figure(fig, path, title, wrap=int(16 * width))  # ~16 characters per inch
+
+
+def write_report(results: Sequence[GemmResult], out_dir: str, note: str,
+                 low_fraction: float) -> None:
+  """Writes `out_dir`/bench_gemm.csv and bench_gemm.png (`note` as the plot title) and prints
+  the table, each dtype's peak and the paths (`low_fraction`: the threshold the `*` marks)."""
+  os.makedirs(out_dir, exist_ok=True)
+  csv_path = os.path.join(out_dir, "bench_gemm.csv")
+  write_csv(results, csv_path)
+  plot(results, os.path.join(out_dir, "bench_gemm.png"), note)
+  print(f"\n{format_table(results)}")
+  for dtype in dict.fromkeys(r.dtype for r in results):
+    r = next(r for r in results if r.dtype == dtype)
+    print(f"{dtype} peak {r.peak_tflops:.4g} TFLOP/s ({r.peak_source})")
+  print(f"* = below {low_fraction:.0%} of the dtype's best TFLOP/s in this sweep. {note}")
+  print(f"wrote {csv_path} and bench_gemm.png")
 
 
 def _fixed(r: GemmResult, kind: str) -> int:

@@ -258,3 +258,28 @@ def plot(results: Sequence[StreamResult], path: str, title: str) -> None:
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
   report.save_figure(fig, path, title, wrap=110)
+
+
+def write_report(results: Sequence[StreamResult], out_dir: str, note: str,
+                 profile: AcceleratorProfile | None) -> str | None:
+  """Writes `out_dir`/bench_memory.csv and bench_memory.png (`note` as the plot title) and
+  prints the table, the best bandwidth against the profile's HBM bandwidth, and the paths.
+
+  Returns:
+    None if every result is correct, else one line naming the wrong ones (kernel@bytes).
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  csv_path = os.path.join(out_dir, "bench_memory.csv")
+  write_csv(results, csv_path)
+  plot(results, os.path.join(out_dir, "bench_memory.png"), note)
+  print(f"\n{format_table(results)}")
+  if profile is not None:
+    best = max(r.gb_per_s for r in results)
+    print(f"best {best:.1f} GB/s = {best / (profile.hbm_bandwidth / 1e9):.1%} of {profile.name} "
+          f"HBM {profile.hbm_bandwidth / 1e9:.0f} GB/s")
+  else:
+    print("no accelerator profile: no peak to compare with")
+  print(f"GB/s by STREAM counting (copy/scale 2 arrays, add/triad 3). {note}")
+  print(f"wrote {csv_path} and bench_memory.png")
+  wrong = [f"{r.kernel}@{r.array_bytes}B" for r in results if not r.correct]
+  return f"wrong results: {', '.join(wrong)}" if wrong else None

@@ -23,6 +23,7 @@ describes XLA:CPU's program for those devices, not a GPU's.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from typing import Any
@@ -336,3 +337,19 @@ def host_note() -> str:
             "(--xla_force_host_platform_device_count), not GPUs: memory and FLOPs are XLA:CPU's "
             "per-device program; step times share this host's cores.")
   return f"figures from {len(devices)} {devices[0].device_kind} devices"
+
+
+def write_report(rows: list[dict[str, Any]], out_dir: str, *, num_layers: int, batch_size: int,
+                 seq_len: int, note: str) -> None:
+  """Writes `out_dir`/mesh_sweep.csv and mesh_sweep.png and prints the sweep table and the MoE
+  token-exchange table (`note`: what the figures describe, `host_note()`)."""
+  os.makedirs(out_dir, exist_ok=True)
+  write_csv(rows, os.path.join(out_dir, "mesh_sweep.csv"))
+  plot(rows, os.path.join(out_dir, "mesh_sweep.png"),
+       f"{num_layers} layers, batch {batch_size} x seq {seq_len}. {note}")
+  print(f"\nbatch {batch_size} x seq {seq_len}, per device; collectives per step, all layers. {note}")
+  print(format_table(rows))
+  print("\nMoE token exchange per device per step (off-shard bytes) vs analytic minimum "
+        "(tokens x D x bytes x 2 directions x (n-1)/n x layers x fwd+bwd):")
+  print(format_exchange_table(rows))
+  print(f"\nwrote {out_dir}/mesh_sweep.csv and mesh_sweep.png")
