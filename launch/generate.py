@@ -22,14 +22,10 @@ import sys
 import jax
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
-from zaya_jax.checkpoint import (find_run_checkpoint, restore_model_state, saved_model_config,
-                                 with_sharding)
-from zaya_jax.convert import load_pretrained
+from zaya_jax.convert import ConvertError, load_pretrained, runs
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from zaya_jax.generate import generate
-from zaya_jax.model import ZayaForCausalLM
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (holds checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
@@ -46,26 +42,6 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json 
 _ADD_BOS = flags.DEFINE_bool("add_bos", None, "Prepend the tokenizer's bos to the prompt "
                              "(default: the run's data.add_bos; True for --hf_dir).")
 flags.mark_flags_as_required(["prompt"])
-
-
-def load_run(workdir: str, step: int | None):
-  """(model, saved RunConfig dict, step) of a training run; exits with one line on a problem."""
-  try:
-    ckpt_dir, step, saved = find_run_checkpoint(workdir, step)
-  except ValueError as e:
-    sys.exit(str(e))
-  try:
-    cfg = saved_model_config(saved).replace(kernels=())
-  except (KeyError, TypeError, ValueError) as e:
-    sys.exit(f"checkpoint {ckpt_dir}/{step} holds no usable model config ({e!r}); is it a "
-             "zaya_jax checkpoint?")
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  try:
-    state = restore_model_state(ckpt_dir, with_sharding(abstract, device), step)
-  except Exception as e:  # corrupt or incompatible arrays; the message names the item
-    sys.exit(f"cannot restore the model of checkpoint {ckpt_dir}/{step}: {e}")
-  return nnx.merge(graphdef, state), saved, step
 
 
 def pick_tokenizer(saved: dict | None):
@@ -103,7 +79,11 @@ def main(argv):
     saved, source = None, _HF_DIR.value
     add_bos = True if _ADD_BOS.value is None else _ADD_BOS.value
   else:
-    model, saved, step = load_run(_WORKDIR.value, _STEP.value)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    try:
+      model, saved, step = runs.load_run_model(_WORKDIR.value, _STEP.value, device, kernels=())
+    except ConvertError as e:
+      sys.exit(str(e))
     source = f"{_WORKDIR.value} step {step}"
     add_bos = saved.get("data", {}).get("add_bos", True) if _ADD_BOS.value is None else _ADD_BOS.value
   tok = pick_tokenizer(saved)

@@ -8,9 +8,10 @@ distinct shape (`fresh_opt_state`), so about twice the float32 parameter bytes a
 the checkpoint write starts; the write's own buffers (checksums, Orbax) come on top. The log
 reports the peak RSS after each phase (tests/convert/measure_import_memory.py measures it).
 
-`export_run(workdir, out_dir, ...)` reads the run config saved with a checkpoint, restores only
-its `model` item onto one CPU device and writes it with `save_pretrained` (plus tokenizer.json
-when the run's data.tokenizer is a file).
+`load_run_model(workdir, step, sharding)` reads the run config saved with a checkpoint and
+restores only its `model` item; `export_run(workdir, out_dir, ...)` does so onto one CPU device
+and writes it with `save_pretrained` (plus tokenizer.json when the run's data.tokenizer is a
+file).
 
 Bad input raises `ConvertError` with one line naming it (and the fix, or the steps that exist).
 """
@@ -150,6 +151,40 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str) -> str:
   return ckpt_dir
 
 
+def load_run_model(workdir: str, step: int | None, sharding: jax.sharding.Sharding,
+                   **config_overrides) -> tuple[ZayaForCausalLM, dict, int]:
+  """The model of checkpoint `step` (default: the latest) of the run in `workdir`, restored
+  with every array in `sharding` (one device: no mesh).
+
+  Args:
+    workdir: the run directory (holds checkpoints/).
+    step: the checkpoint step, or None for the latest.
+    sharding: where the parameters go, e.g. `SingleDeviceSharding(jax.devices("cpu")[0])`.
+    **config_overrides: compute-only ModelConfig fields to replace in the saved config.
+  Returns:
+    `(model, saved, step)`: the model, the run config saved with the checkpoint (a dict, as
+    written), and the step restored.
+  Raises:
+    ConvertError: no such `workdir` or `step` (the steps that exist are named), a checkpoint
+      with no usable model config, or arrays that cannot be restored.
+  """
+  try:
+    ckpt_dir, step, saved = find_run_checkpoint(workdir, step)
+  except ValueError as e:
+    raise ConvertError(str(e)) from e
+  try:
+    cfg = saved_model_config(saved).replace(**config_overrides)
+  except (KeyError, TypeError, ValueError) as e:
+    raise ConvertError(f"checkpoint {ckpt_dir}/{step} holds no usable model config ({e!r}); is "
+                       "it a zaya_jax checkpoint?") from e
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
+  try:
+    state = restore_model_state(ckpt_dir, with_sharding(abstract, sharding), step)
+  except Exception as e:  # corrupt or incompatible arrays; the message names the item
+    raise ConvertError(f"cannot restore the model of checkpoint {ckpt_dir}/{step}: {e}") from e
+  return nnx.merge(graphdef, state), saved, step
+
+
 def parse_size(text: str) -> int:
   """'5GB' -> 5_000_000_000 (decimal units, as transformers; KiB/MiB/GiB binary).
 
@@ -182,23 +217,8 @@ def export_run(workdir: str, out_dir: str, step: int | None = None, dtype: str =
     ConvertError: no such `workdir` or `step` (the steps that exist are named), a checkpoint
       with no usable model config or unreadable arrays, or an `out_dir` that cannot be written.
   """
-  try:
-    ckpt_dir, step, saved = find_run_checkpoint(workdir, step)
-  except ValueError as e:
-    raise ConvertError(str(e)) from e
-  try:
-    cfg = saved_model_config(saved)
-  except (KeyError, TypeError, ValueError) as e:
-    raise ConvertError(f"checkpoint {ckpt_dir}/{step} holds no usable model config ({e!r}); is "
-                       "it a zaya_jax checkpoint?") from e
-
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  try:
-    state = restore_model_state(ckpt_dir, with_sharding(abstract, cpu), step)
-  except Exception as e:  # corrupt or incompatible arrays; the message names the item
-    raise ConvertError(f"cannot restore the model of checkpoint {ckpt_dir}/{step}: {e}") from e
-  model = nnx.merge(graphdef, state)
+  model, saved, step = load_run_model(workdir, step, cpu)
 
   tokenizer = saved.get("data", {}).get("tokenizer")
   tokenizer_file = tokenizer if tokenizer and os.path.isfile(tokenizer) else None
