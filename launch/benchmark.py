@@ -53,9 +53,7 @@ def main(argv):
                                     warmup=_WARMUP.value, log=lambda line: print(line, flush=True))
     except ValueError as e:
       sys.exit(f"invalid arguments: {e}")
-    for v in r["variants"]:
-      print(f"{v:>18}: {1e3 * r['step_s'][v]:8.1f} ms/step  "
-            f"{r['tokens_per_step'] / r['step_s'][v]:8.0f} tokens/s  x{r['ratio'][v]:.3f}")
+    print(benchmark.format_balance(r))
     return
   try:
     result = benchmark.run(cfgs, steps=_STEPS.value, warmup=_WARMUP.value,

@@ -314,6 +314,13 @@ def compare_balance(cfgs: BenchConfigs, variants: list[str], *, steps: int, warm
           "ratio": {v: step_s[v] / step_s[variants[0]] for v in variants}}
 
 
+def format_balance(r: dict[str, Any]) -> str:
+  """A `compare_balance` result as one line per variant: ms/step, tokens/s, ratio to the first."""
+  return "\n".join(f"{v:>18}: {1e3 * r['step_s'][v]:8.1f} ms/step  "
+                   f"{r['tokens_per_step'] / r['step_s'][v]:8.0f} tokens/s  x{r['ratio'][v]:.3f}"
+                   for v in r["variants"])
+
+
 def format_report(r: dict[str, Any]) -> str:
   """The result as aligned `name: value unit` lines."""
   lines = [

@@ -171,7 +171,7 @@ def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConf
   Returns:
     A flat dict: mesh sizes, the resolved dispatch, tokens per shard, memory (`_memory`), cost
     (`_cost`), `dot_flops` (matmul FLOPs per device, all layers), `<kind>_bytes` for each
-    collective kind (`collective_bytes`, per device per step),
+    collective kind (`zaya_jax.perf.hlo.collective_bytes`, per device per step),
     `moe_exchange_bytes` (`moe_exchange_bytes`), `a2a_analytic_bytes` (the
     per-step minimum: `analytic_all_to_all_bytes` x layers x passes, 0 without EP),
     `compile_s`, `step_s`, `tokens_per_s` (None when not measured) and a `note`.
