@@ -29,7 +29,8 @@ import torch
 import transformers
 from flax import nnx
 
-from tests.convert.common import CONFIG, HF_ARCH, cli, read_export, reference_state, restore_skip_biases
+from tests.convert.common import (CONFIG, HF_ARCH, cli, read_export, reference_state,
+                                  restore_skip_biases)
 from tests.model import hf_reference
 from zaya_jax.checkpoint import restore_model_state, with_sharding
 from zaya_jax.model import ModelConfig, ZayaForCausalLM
