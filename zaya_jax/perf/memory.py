@@ -13,8 +13,8 @@ are not counted. GB/s = bytes / seconds / 1e9. Each kernel is a jitted function 
 arrays and `s` (a traced scalar, so XLA cannot fold it) that donates the array it writes
 (`DEST`) and stores the result back in its place (`in_place`): one set of arrays is reused, as
 STREAM's static arrays are. Without donation every call would write a fresh buffer, and on a
-host each buffer above glibc's mmap threshold (32 MiB) is page-faulted anew: about 1.5 GB/s
-instead of about 10 GB/s for a 256 MiB copy on the 2-core development host. Sizes are per array, powers of two
+host each buffer above glibc's mmap threshold (32 MiB) is page-faulted anew, several times
+slower (README, "Systems tools", gives the measured figures). Sizes are per array, powers of two
 from KiB (cache-resident: on a host the small sizes measure caches and dispatch latency, a few
 microseconds per call) to hundreds of MiB (device memory). Every result is checked against
 NumPy once per size, outside the timing.
