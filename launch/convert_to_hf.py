@@ -20,10 +20,10 @@ import jax
 from absl import app, flags, logging
 from flax import nnx
 
-from zaya_jax.checkpoint import (find_run_checkpoint, restore_model_state, saved_model_config,
-                                 with_sharding)
+from zaya_jax.checkpoint import find_run_checkpoint, restore_model_state, saved_model_config
 from zaya_jax.convert.hf import save_pretrained
 from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.parallel.mesh import abstract_with_shardings
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (holds checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).")
@@ -60,7 +60,7 @@ def main(argv):
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   try:
-    state = restore_model_state(ckpt_dir, with_sharding(abstract, cpu), step)
+    state = restore_model_state(ckpt_dir, abstract_with_shardings(abstract, cpu), step)
   except Exception as e:  # corrupt or incompatible arrays; the message names the item
     sys.exit(f"cannot restore the model of checkpoint {ckpt_dir}/{step}: {e}")
   model = nnx.merge(graphdef, state)

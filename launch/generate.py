@@ -24,11 +24,11 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from zaya_jax.checkpoint import (find_run_checkpoint, restore_model_state, saved_model_config,
-                                 with_sharding)
+from zaya_jax.checkpoint import find_run_checkpoint, restore_model_state, saved_model_config
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from zaya_jax.generate import generate
 from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.parallel.mesh import abstract_with_shardings
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (holds checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
@@ -61,7 +61,7 @@ def load_run(workdir: str, step: int | None):
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   try:
-    state = restore_model_state(ckpt_dir, with_sharding(abstract, device), step)
+    state = restore_model_state(ckpt_dir, abstract_with_shardings(abstract, device), step)
   except Exception as e:  # corrupt or incompatible arrays; the message names the item
     sys.exit(f"cannot restore the model of checkpoint {ckpt_dir}/{step}: {e}")
   return nnx.merge(graphdef, state), saved, step

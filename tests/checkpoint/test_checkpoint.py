@@ -36,9 +36,9 @@ from flax import nnx
 
 from tests.checkpoint.conftest import IGNORE_ABANDONED_READS, STEPS, largest_data_file
 from zaya_jax.checkpoint import integrity
-from zaya_jax.checkpoint import (CorruptCheckpointError, open_manager, restore_model_state,
-                                 with_sharding)
+from zaya_jax.checkpoint import CorruptCheckpointError, open_manager, restore_model_state
 from zaya_jax.config import ConfigError
+from zaya_jax.parallel.mesh import abstract_with_shardings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERT_TENSOR = "layers.mlp.experts.w_up.value"
@@ -208,7 +208,7 @@ def test_checkpoint_without_checksums_or_skip_counters_restores(tiny, tmp_path, 
 
 def test_orbax_refuses_fewer_experts_and_extra_tensors(tiny, saved):
   cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  model = with_sharding(nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
+  model = abstract_with_shardings(nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
   got = restore_model_state(saved.directory, model, step=1)  # as saved: verified
   assert_trees_equal(got, nnx.merge_state(tiny.state.params, tiny.state.model_state))
 

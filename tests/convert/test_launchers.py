@@ -34,8 +34,9 @@ from flax import nnx
 from tests.convert.test_hf_roundtrip import read_export, reference_state, restore_skip_biases
 from tests.model import hf_reference
 from tests.helpers import MODEL_OVERRIDES
-from zaya_jax.checkpoint import restore_model_state, with_sharding
+from zaya_jax.checkpoint import restore_model_state
 from zaya_jax.model import ModelConfig, ZayaForCausalLM
+from zaya_jax.parallel.mesh import abstract_with_shardings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
@@ -133,7 +134,7 @@ def test_trained_export_matches_checkpoint_in_transformers(chain):
   assert cfg.skip_mode == "zero"
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  ours = nnx.merge(graphdef, restore_model_state(ckpt_dir, with_sharding(abstract, cpu), STEPS))
+  ours = nnx.merge(graphdef, restore_model_state(ckpt_dir, abstract_with_shardings(abstract, cpu), STEPS))
 
   ids = chain["ids"]
   with torch.no_grad():

@@ -39,7 +39,7 @@ class TrainState:
       back to the last checkpoint once it reaches `train.max_consecutive_skips`).
     balance: the balancing-bias controller's state (zaya_jax/train/balance.py), float32
       `{"integral": [L, X], "prev_error": [L, X]}`, replicated; None in states built without
-      it (treated as zeros by `train_step` and the checkpointer).
+      it (treated as zeros by `train_step`; not checkpointed then).
   """
 
   step: jax.Array
@@ -51,6 +51,27 @@ class TrainState:
   consecutive_skips: jax.Array = dataclasses.field(
       default_factory=lambda: jnp.zeros((), jnp.int32))
   balance: BalanceState | None = None
+
+  def to_items(self) -> dict[str, Any]:
+    """The checkpoint's array items (zaya_jax/checkpoint/__init__.py): `{"model": params and
+    model_state merged into one nnx.State, "opt_state": ..., "train_meta": {"step", "rng",
+    "skipped_steps", "consecutive_skips", "balance"}}`; `balance` is left out when None.
+    Works on abstract states too (`jax.ShapeDtypeStruct` leaves: a restore target)."""
+    meta = {"step": self.step, "rng": self.rng, "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips}
+    if self.balance is not None:
+      meta["balance"] = self.balance
+    return {"model": nnx.merge_state(self.params, self.model_state), "opt_state": self.opt_state,
+            "train_meta": meta}
+
+  @classmethod
+  def from_items(cls, items: dict[str, Any]) -> TrainState:
+    """The TrainState of restored `to_items()` items (`nnx.Param`s split from the rest)."""
+    params, model_state = nnx.split_state(items["model"], nnx.Param, ...)
+    meta = items["train_meta"]
+    return cls(step=meta["step"], params=params, model_state=model_state,
+               opt_state=items["opt_state"], rng=meta["rng"], skipped_steps=meta["skipped_steps"],
+               consecutive_skips=meta["consecutive_skips"], balance=meta.get("balance"))
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
