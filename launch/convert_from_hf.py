@@ -38,6 +38,7 @@ from zaya_jax.data import make_train_iterator
 from zaya_jax.convert.hf import _skip_can_win, load_pretrained
 from zaya_jax.model import ModelConfig
 from zaya_jax.train import TrainState, make_optimizer
+from zaya_jax.train.balance import init_balance_state
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training config to pair with, e.g. configs/zaya1_tiny.py.", lock_config=True)
@@ -133,7 +134,8 @@ def write_step0(cfg: RunConfig, ckpt: Checkpointer) -> None:
     tx = make_optimizer(cfg.train, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                        opt_state=fresh_opt_state(tx, params),
-                       rng=jax.random.key_data(jax.random.key(cfg.train.seed)))
+                       rng=jax.random.key_data(jax.random.key(cfg.train.seed)),
+                       balance=init_balance_state(cfg.model.num_layers, cfg.model.num_router_classes))
     logging.info("memory: optimizer state built; peak RSS so far %.3f GB", peak_rss_gb())
     data_iter = make_train_iterator(cfg.data, seq_len=cfg.train.seq_len,
                                     batch_size=cfg.train.batch_size, seed=cfg.train.seed)
