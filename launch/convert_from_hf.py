@@ -135,7 +135,8 @@ def write_step0(cfg: RunConfig, ckpt: Checkpointer) -> None:
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                        opt_state=fresh_opt_state(tx, params),
                        rng=jax.random.key_data(jax.random.key(cfg.train.seed)),
-                       balance=init_balance_state(cfg.model.num_layers, cfg.model.num_router_classes))
+                       balance=init_balance_state(cfg.model.num_layers,
+                                                  cfg.model.num_router_classes))
     logging.info("memory: optimizer state built; peak RSS so far %.3f GB", peak_rss_gb())
     data_iter = make_train_iterator(cfg.data, seq_len=cfg.train.seq_len,
                                     batch_size=cfg.train.batch_size, seed=cfg.train.seed)

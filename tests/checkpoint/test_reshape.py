@@ -77,7 +77,8 @@ def test_drop_optimizer_and_cast_to_bfloat16(tiny, saved, tmp_path):
 
   # Read back as launch.convert_to_hf does: into the float32 model, verified on the way.
   cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = abstract_with_shardings(nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
+  target = abstract_with_shardings(
+      nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
   got = restore_model_state(str(dst / "checkpoints"), target)
   want = nnx.merge_state(tiny.state.params, tiny.state.model_state)
 

@@ -134,7 +134,8 @@ def test_trained_export_matches_checkpoint_in_transformers(chain):
   assert cfg.skip_mode == "zero"
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  ours = nnx.merge(graphdef, restore_model_state(ckpt_dir, abstract_with_shardings(abstract, cpu), STEPS))
+  target = abstract_with_shardings(abstract, cpu)
+  ours = nnx.merge(graphdef, restore_model_state(ckpt_dir, target, STEPS))
 
   ids = chain["ids"]
   with torch.no_grad():

@@ -38,8 +38,8 @@ class TrainState:
     consecutive_skips: int32 [], skipped updates since the last applied one (the loop rolls
       back to the last checkpoint once it reaches `train.max_consecutive_skips`).
     balance: the balancing-bias controller's state (zaya_jax/train/balance.py), float32
-      `{"integral": [L, X], "prev_error": [L, X], "adamw": ...}`, replicated; None in states built without
-      it (treated as zeros by `train_step`; such a state cannot be checkpointed).
+      `{"integral": [L, X], "prev_error": [L, X], "adamw": ...}`, replicated; None in states
+      built without it (treated as zeros by `train_step`; such a state cannot be checkpointed).
   """
 
   step: jax.Array
