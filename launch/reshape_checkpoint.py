@@ -19,8 +19,7 @@ import sys
 
 from absl import app, flags
 
-from zaya_jax.checkpoint import reshape
-from zaya_jax.train.loop import quiet_library_logs
+from zaya_jax.checkpoint import quiet_library_logs, reshape
 
 _SRC = flags.DEFINE_string("src", None, "Training workdir, its checkpoints/ dir, or a step dir.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")

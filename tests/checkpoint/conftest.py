@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from configs import zaya1_tiny
-from zaya_jax.checkpoint import Checkpointer, with_sharding
+from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import CheckpointConfig, RunConfig, resolve
 from zaya_jax.data import make_train_iterator
+from zaya_jax.parallel.mesh import abstract_with_shardings
 from zaya_jax.train import init_train_state, make_optimizer
 from zaya_jax.train.state import TrainState, abstract_model, abstract_train_state
 
@@ -66,7 +67,7 @@ def tiny() -> Tiny:
   state = state.replace(opt_state=jax.tree.unflatten(treedef, leaves),
                         rng=jnp.asarray([7, 11], jnp.uint32))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = with_sharding(abstract_train_state(cfg.model, tx, cfg.train.seed), cpu)
+  target = abstract_with_shardings(abstract_train_state(cfg.model, tx, cfg.train.seed), cpu)
   return Tiny(cfg=cfg, state=state, target=target)
 
 

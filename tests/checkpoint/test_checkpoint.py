@@ -12,7 +12,7 @@ Every test starts from the session's three checkpoints (conftest.py, steps 1-3 o
   is a ConfigError and moves nothing; saving a step not after the newest one is an error
   (Orbax would skip it silently);
 - another process count: state restored, data position not applied (data_restored False);
-- a checkpoint written before checksums and skip counters existed restores (warned);
+- a step without its integrity item is corrupt (Checkpointer and restore_model_state);
 - Orbax refuses a target with fewer experts or an extra tensor (no zero fill, no truncation);
 - a process killed mid-save leaves the previous step intact (max_to_keep=1) and a tmp
   directory that Orbax does not list and the next save removes.
@@ -36,9 +36,10 @@ from flax import nnx
 
 from tests.checkpoint.conftest import IGNORE_ABANDONED_READS, STEPS, largest_data_file
 from zaya_jax.checkpoint import integrity
-from zaya_jax.checkpoint import (CorruptCheckpointError, open_manager, restore_model_state,
-                                 with_sharding)
+from zaya_jax.checkpoint import (CorruptCheckpointError, config_record, open_manager,
+                                 restore_model_state)
 from zaya_jax.config import ConfigError
+from zaya_jax.parallel.mesh import abstract_with_shardings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERT_TENSOR = "layers.mlp.experts.w_up.value"
@@ -181,34 +182,35 @@ def test_other_process_count_restores_state_but_not_data(tiny, checkpoints_copy,
   ckpt.close()
 
 
-def test_checkpoint_without_checksums_or_skip_counters_restores(tiny, tmp_path, caplog):
-  """A checkpoint as written before this module's integrity item and skip counters."""
-  state = tiny.at_step(4)
+def test_checkpoint_without_checksums_is_corrupt(tiny, tmp_path):
+  """A step lacking its integrity item is refused like any corrupt step: no format predates
+  the checksums, so there is no unverified restore."""
+  items = tiny.at_step(4).to_items()
   it = tiny.iterator()
   next(it)
-  # The old layout: five items, train_meta {step, rng}, config without "runtime".
-  manager = open_manager(str(tmp_path / "old"), read_only=False)
+  directory = tmp_path / "no_integrity"
+  manager = open_manager(str(directory), read_only=False)
   manager.save(4, args=ocp.args.Composite(
-      model=ocp.args.StandardSave(nnx.merge_state(state.params, state.model_state)),
-      opt_state=ocp.args.StandardSave(state.opt_state),
-      train_meta=ocp.args.StandardSave({"step": state.step, "rng": state.rng}),
+      **{name: ocp.args.StandardSave(tree) for name, tree in items.items()},
       data_iter=grain.checkpoint.CheckpointSave(it),
-      config=ocp.args.JsonSave(tiny.cfg.to_dict())))
+      config=ocp.args.JsonSave(config_record(tiny.cfg))))
   manager.wait_until_finished()
   manager.close()
-  ckpt = tiny.checkpointer(tmp_path / "old")
-  with caplog.at_level("WARNING"):
-    restored = ckpt.restore_latest(tiny.target, tiny.iterator(), tiny.cfg)
-  assert (restored.step, restored.data_restored) == (4, True)  # count from process_0-of-1.json
-  assert "has no integrity checksums" in caplog.text
-  assert int(restored.state.skipped_steps) == 0 and int(restored.state.consecutive_skips) == 0
-  assert_trees_equal(restored.state.params, state.params)
+  ckpt = tiny.checkpointer(directory)
+  with pytest.raises(CorruptCheckpointError,
+                     match=r"step 4: checkpoint .*/4 lacks the item\(s\) \['integrity'\]"):
+    ckpt.restore_latest(tiny.target, tiny.iterator(), tiny.cfg)
+  assert sorted(os.listdir(directory)) == ["4"]  # nothing moved
   ckpt.close()
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  model = abstract_with_shardings(nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
+  with pytest.raises(CorruptCheckpointError, match=r"lacks the item\(s\) \['integrity'\]"):
+    restore_model_state(str(directory), model)
 
 
 def test_orbax_refuses_fewer_experts_and_extra_tensors(tiny, saved):
   cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  model = with_sharding(nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
+  model = abstract_with_shardings(nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
   got = restore_model_state(saved.directory, model, step=1)  # as saved: verified
   assert_trees_equal(got, nnx.merge_state(tiny.state.params, tiny.state.model_state))
 

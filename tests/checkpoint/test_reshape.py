@@ -28,9 +28,10 @@ from flax import nnx
 
 from tests.checkpoint.conftest import IGNORE_ABANDONED_READS
 from zaya_jax.checkpoint import reshape
-from zaya_jax.checkpoint import open_manager, restore_model_state, saved_items, with_sharding
+from zaya_jax.checkpoint import open_manager, restore_model_state, saved_items
 from zaya_jax.config import ConfigError
 from zaya_jax.model import BalancingBias
+from zaya_jax.parallel.mesh import abstract_with_shardings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = IGNORE_ABANDONED_READS
@@ -76,7 +77,8 @@ def test_drop_optimizer_and_cast_to_bfloat16(tiny, saved, tmp_path):
 
   # Read back as launch.convert_to_hf does: into the float32 model, verified on the way.
   cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = with_sharding(nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
+  target = abstract_with_shardings(
+      nnx.merge_state(tiny.target.params, tiny.target.model_state), cpu)
   got = restore_model_state(str(dst / "checkpoints"), target)
   want = nnx.merge_state(tiny.state.params, tiny.state.model_state)
 

@@ -32,8 +32,9 @@ from flax import nnx
 from tests.convert.common import (CONFIG, HF_ARCH, cli, read_export, reference_state,
                                   restore_skip_biases)
 from tests.model import hf_reference
-from zaya_jax.checkpoint import restore_model_state, with_sharding
+from zaya_jax.checkpoint import restore_model_state
 from zaya_jax.model import ModelConfig, ZayaForCausalLM
+from zaya_jax.parallel.mesh import abstract_with_shardings
 
 STEPS = 3
 TRAIN = ["--config.train.seq_len=32", "--config.train.batch_size=2",
@@ -110,7 +111,7 @@ def test_trained_export_matches_checkpoint_in_transformers(chain):
   assert cfg.skip_mode == "zero"
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  ours = nnx.merge(graphdef, restore_model_state(ckpt_dir, with_sharding(abstract, cpu), STEPS))
+  ours = nnx.merge(graphdef, restore_model_state(ckpt_dir, abstract_with_shardings(abstract, cpu), STEPS))
 
   ids = chain["ids"]
   with torch.no_grad():

@@ -25,13 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 from flax import nnx
 
 from zaya_jax.checkpoint import integrity
-from zaya_jax.checkpoint import (CHECKSUMMED_ITEMS, ITEMS, failure_reason, open_manager,
-                                 saved_items, saved_model_config)
-from zaya_jax.train.state import abstract_model
+from zaya_jax.checkpoint.compat import saved_model_config
+from zaya_jax.checkpoint.manager import (CHECKSUMMED_ITEMS, ITEMS, failure_reason, open_manager,
+                                         saved_items, verify_items)
+from zaya_jax.checkpoint.steps import select_step
+from zaya_jax.model import ModelConfig, ZayaForCausalLM, init_rngs
 
 DTYPES = ("bfloat16", "float32")
 
@@ -75,16 +76,17 @@ def resolve_source(src: str, step: int | None) -> tuple[str, int]:
   if not os.path.isdir(directory):
     raise ValueError(f"--src={src}: no such directory; pass a training workdir or its "
                      "checkpoints/ directory")
-  manager = open_manager(directory, read_only=True)
-  steps = sorted(manager.all_steps())
-  manager.close()
+  chosen, steps = select_step(directory, step)
   if not steps:
     raise ValueError(f"--src={src}: {directory} holds no checkpoint")
-  if step is None:
-    step = steps[-1]
-  elif step not in steps:
+  if chosen is None:
     raise ValueError(f"--step={step} is not in {directory}; it holds steps {steps}")
-  return directory, step
+  return directory, chosen
+
+
+def _abstract_model_state(model_cfg: ModelConfig) -> nnx.State:
+  """Every variable of the model (`nnx.Param`s and balancing biases), shapes only."""
+  return nnx.state(nnx.eval_shape(lambda: ZayaForCausalLM(model_cfg, rngs=init_rngs(0))))
 
 
 def _cpu() -> jax.sharding.Sharding:
@@ -174,7 +176,7 @@ def summarize(src: str, step: int | None = None, verify: bool = True) -> str:
       files = sorted(os.listdir(os.path.join(where, "data_iter")))
       lines.append(f"data_iter: {[f for f in files if f.endswith('.json')]}")
     if verify and record is None:
-      lines.append("checksums: absent (written before checksums existed); not verified")
+      lines.append("checksums: absent (no integrity item); not verified")
     elif verify:
       for item in CHECKSUMMED_ITEMS:
         checksums = integrity.item_record(record, item, where)
@@ -245,23 +247,20 @@ def reshape(src: str, dst: str, *, step: int | None = None, drop_optimizer: bool
   reader = open_manager(directory, read_only=True)
   try:
     items = saved_items(reader, step)
-    for name in ("model", "train_meta", "config"):
+    for name in ("model", "train_meta", "config", "integrity"):
       if name not in items:
         raise ValueError(f"checkpoint {where} lacks its {name} item; is it a zaya_jax checkpoint?")
-    json_args = {n: ocp.args.JsonRestore() for n in ("config", "integrity") if n in items}
-    json_out = reader.restore(step, args=ocp.args.Composite(**json_args))
-    saved = json_out["config"]
-    record = json_out["integrity"] if "integrity" in items else None
-    if record is None:
-      logging.warning("checkpoint %s has no checksums: copying it unverified", where)
+    json_out = reader.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
+    saved, record = json_out["config"], json_out["integrity"]
 
-    def source_checksums(item):
-      return None if record is None else integrity.item_record(record, item, where)
+    def verify_source(item, tree):
+      verify_items({item: tree}, record, (item,), where)
+      report.append(f"source {where}: {item} checksums verified")
 
     # model: typed by the model code (to tell parameters from balancing biases), dtypes as saved
     saved_dtypes = {integrity.tensor_name(p): m.dtype for p, m in
                     jax.tree_util.tree_leaves_with_path(items["model"].tree)}
-    _, params_shape, rest_shape = abstract_model(saved_model_config(saved), seed=0)
 
     def as_saved(path, x):
       name = integrity.tensor_name(path)
@@ -270,12 +269,10 @@ def reshape(src: str, dst: str, *, step: int | None = None, drop_optimizer: bool
       return jax.ShapeDtypeStruct(x.shape, saved_dtypes[name], sharding=_cpu())
 
     model_target = jax.tree_util.tree_map_with_path(
-        as_saved, nnx.merge_state(params_shape, rest_shape))
+        as_saved, _abstract_model_state(saved_model_config(saved)))
     model = reader.restore(step, args=ocp.args.Composite(
         model=ocp.args.StandardRestore(model_target))).model
-    if source_checksums("model") is not None:
-      integrity.verify_tree("model", model, source_checksums("model"), where)
-      report.append(f"source {where}: model checksums verified")
+    verify_source("model", model)
     if dtype is not None:
       model = _cast_params(model, dtype)
     param_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(nnx.split_state(
@@ -287,9 +284,7 @@ def reshape(src: str, dst: str, *, step: int | None = None, drop_optimizer: bool
     if keep_optimizer:
       opt_state = reader.restore(step, args=ocp.args.Composite(opt_state=ocp.args.StandardRestore(
           _target_from_metadata(items["opt_state"].tree)))).opt_state
-      if source_checksums("opt_state") is not None:
-        integrity.verify_tree("opt_state", opt_state, source_checksums("opt_state"), where)
-        report.append(f"source {where}: opt_state checksums verified")
+      verify_source("opt_state", opt_state)
       new_checksums["opt_state"] = integrity.checksum_tree(opt_state)
       args["opt_state"] = ocp.args.StandardSave(opt_state)
     args["train_meta"] = ocp.args.StandardSave(reader.restore(step, args=ocp.args.Composite(

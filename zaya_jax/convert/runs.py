@@ -30,14 +30,16 @@ from absl import logging
 from flax import nnx
 
 from zaya_jax.checkpoint import (Checkpointer, find_run_checkpoint, restore_model_state,
-                                 saved_model_config, with_sharding)
+                                 saved_model_config)
 from zaya_jax.config import RunConfig
 from zaya_jax.convert.export_hf import save_pretrained, skip_can_win
 from zaya_jax.convert.hf_config import ConvertError, architecture_differences, read_hf_config
 from zaya_jax.convert.import_hf import load_pretrained
 from zaya_jax.data import make_train_iterator
 from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.parallel.mesh import abstract_with_shardings
 from zaya_jax.train import TrainState, make_optimizer
+from zaya_jax.train.balance import init_balance_state
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -105,7 +107,9 @@ def _write_step0(cfg: RunConfig, hf_dir: str, ckpt: Checkpointer) -> None:
     tx = make_optimizer(cfg.train, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                        opt_state=fresh_opt_state(tx, params),
-                       rng=jax.random.key_data(jax.random.key(cfg.train.seed)))
+                       rng=jax.random.key_data(jax.random.key(cfg.train.seed)),
+                       balance=init_balance_state(cfg.model.num_layers,
+                                                  cfg.model.num_router_classes))
     logging.info("memory: optimizer state built; peak RSS so far %.3f GB", peak_rss_gb())
     data_iter = make_train_iterator(cfg.data, seq_len=cfg.train.seq_len,
                                     batch_size=cfg.train.batch_size, seed=cfg.train.seed)
@@ -179,7 +183,7 @@ def load_run_model(workdir: str, step: int | None, sharding: jax.sharding.Shardi
                        "it a zaya_jax checkpoint?") from e
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: ZayaForCausalLM(cfg, rngs=nnx.Rngs(0))))
   try:
-    state = restore_model_state(ckpt_dir, with_sharding(abstract, sharding), step)
+    state = restore_model_state(ckpt_dir, abstract_with_shardings(abstract, sharding), step)
   except Exception as e:  # corrupt or incompatible arrays; the message names the item
     raise ConvertError(f"cannot restore the model of checkpoint {ckpt_dir}/{step}: {e}") from e
   return nnx.merge(graphdef, state), saved, step

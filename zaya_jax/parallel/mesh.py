@@ -112,7 +112,17 @@ def state_shardings(tree, mesh: Mesh):
 
 
 def abstract_with_shardings(abstract_tree, shardings):
-  """`jax.ShapeDtypeStruct` leaves of `abstract_tree` carrying the matching `shardings` leaf."""
+  """Restore targets: `abstract_tree` with every leaf a `jax.ShapeDtypeStruct` carrying its
+  sharding, for reading a checkpoint onto a mesh (or one device) other than the writer's.
+
+  Args:
+    abstract_tree: a pytree of arrays or `jax.ShapeDtypeStruct`s (shape and dtype are kept).
+    shardings: one `jax.sharding.Sharding` for every leaf (e.g. one CPU device), or a pytree
+      of the same structure (e.g. `state_shardings(abstract_tree, mesh)`).
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings),
+                        abstract_tree)
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       abstract_tree, shardings)
 

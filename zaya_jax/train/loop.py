@@ -24,7 +24,6 @@ skip flags one step late, so the host never waits for the step it just dispatche
 from __future__ import annotations
 
 import contextlib
-import logging as std_logging
 import os
 import time
 from typing import Any
@@ -34,7 +33,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from zaya_jax.checkpoint import Checkpointer
+from zaya_jax.checkpoint import Checkpointer, quiet_library_logs
 from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.data import make_eval_batches, make_train_iterator
 from zaya_jax.parallel.mesh import abstract_with_shardings, check_divisibility, make_mesh, use_mesh
@@ -52,23 +51,6 @@ MAX_ROLLBACKS_PER_CHECKPOINT = 3
 class TrainingError(RuntimeError):
   """Training stopped on an error outside the model (e.g. the data); the message names the
   cause, the checkpoint written and how to resume (launch.train prints it as one line)."""
-
-
-class _QuietLibraries(std_logging.Filter):
-  """Drops INFO/DEBUG records of Orbax, Grain and JAX internals (dozens of lines per save), so
-  the training log shows one line per `log_every` steps; their warnings and errors pass."""
-
-  _NOISY = (os.sep + "orbax" + os.sep, os.sep + "grain" + os.sep, os.sep + "jax" + os.sep)
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.levelno >= std_logging.WARNING or not any(n in record.pathname for n in self._NOISY)
-
-
-def quiet_library_logs() -> None:
-  """Installs `_QuietLibraries` on the absl handler (idempotent)."""
-  handler = logging.get_absl_handler()
-  if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
-    handler.addFilter(_QuietLibraries())
 
 
 def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:

@@ -38,8 +38,8 @@ class TrainState:
     consecutive_skips: int32 [], skipped updates since the last applied one (the loop rolls
       back to the last checkpoint once it reaches `train.max_consecutive_skips`).
     balance: the balancing-bias controller's state (zaya_jax/train/balance.py), float32
-      `{"integral": [L, X], "prev_error": [L, X]}`, replicated; None in states built without
-      it (treated as zeros by `train_step` and the checkpointer).
+      `{"integral": [L, X], "prev_error": [L, X], "adamw": ...}`, replicated; None in states
+      built without it (treated as zeros by `train_step`; such a state cannot be checkpointed).
   """
 
   step: jax.Array
@@ -51,6 +51,34 @@ class TrainState:
   consecutive_skips: jax.Array = dataclasses.field(
       default_factory=lambda: jnp.zeros((), jnp.int32))
   balance: BalanceState | None = None
+
+  def to_items(self) -> dict[str, Any]:
+    """The checkpoint's array items (zaya_jax/checkpoint/__init__.py): `{"model": params and
+    model_state merged into one nnx.State, "opt_state": ..., "train_meta": {"step", "rng",
+    "skipped_steps", "consecutive_skips", "balance"}}`. Works on abstract states too
+    (`jax.ShapeDtypeStruct` leaves: a restore target).
+
+    Raises:
+      ValueError: if `balance` is None (build it with `init_balance_state`): every checkpoint
+        holds the controller state, so one without it could never be resumed.
+    """
+    if self.balance is None:
+      raise ValueError("TrainState.balance is None: a checkpoint holds the balancing "
+                       "controller's state; build it with zaya_jax.train.balance."
+                       "init_balance_state(num_layers, num_router_classes)")
+    meta = {"step": self.step, "rng": self.rng, "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips, "balance": self.balance}
+    return {"model": nnx.merge_state(self.params, self.model_state), "opt_state": self.opt_state,
+            "train_meta": meta}
+
+  @classmethod
+  def from_items(cls, items: dict[str, Any]) -> TrainState:
+    """The TrainState of restored `to_items()` items (`nnx.Param`s split from the rest)."""
+    params, model_state = nnx.split_state(items["model"], nnx.Param, ...)
+    meta = items["train_meta"]
+    return cls(step=meta["step"], params=params, model_state=model_state,
+               opt_state=items["opt_state"], rng=meta["rng"], skipped_steps=meta["skipped_steps"],
+               consecutive_skips=meta["consecutive_skips"], balance=meta["balance"])
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:

@@ -1,0 +1,97 @@
+"""Can this run resume from that checkpoint? Checks of a step's saved config and items against
+the current RunConfig, before any array is read.
+
+Three outcomes, kept apart on purpose: a user error (another model, no optimizer state) is a
+`ConfigError` and moves nothing; a step that lacks an item or record is a
+`CorruptCheckpointError` (restore_latest falls back past it); a run-shape change (process
+count, `data.num_workers`, `train.seq_len`) only restarts the data order, with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from absl import logging
+
+from zaya_jax.checkpoint.manager import CorruptCheckpointError
+from zaya_jax.config import COMPUTE_ONLY_MODEL_FIELDS, ConfigError, RunConfig, config_differences
+from zaya_jax.model import ModelConfig
+
+
+def check_resumable(path: str, saved: dict[str, Any], config: RunConfig,
+                    items: dict[str, Any]) -> None:
+  """Refuses a checkpoint this run cannot resume; warns about what it resumes differently.
+
+  Args:
+    path: the step directory, for the messages.
+    saved: its `config` item (a RunConfig dict plus "runtime", maybe "reshape").
+    config: the current run's config. Its `model` group must equal the saved one, except
+      for compute-only fields (`COMPUTE_ONLY_MODEL_FIELDS`, e.g. dtype, remat).
+    items: `manager.saved_items` of the step.
+
+  Raises:
+    ConfigError: if the checkpoint was written for a different model config (naming the
+      fields), or holds no optimizer state (`reshape_checkpoint --drop_optimizer`).
+  """
+  diffs = config_differences(saved, config, "model", ignore=COMPUTE_ONLY_MODEL_FIELDS)
+  if diffs:
+    raise ConfigError(f"checkpoint {path} was written for another model: {'; '.join(diffs)}. "
+                      "Use the same model config to resume, or a fresh --workdir.")
+  if "opt_state" not in items:
+    raise ConfigError(
+        f"checkpoint {path} holds no optimizer state (written by launch.reshape_checkpoint "
+        "--drop_optimizer, for evaluation or export with launch.convert_to_hf); it cannot "
+        "resume training. Resume from the original checkpoint, or use a fresh --workdir.")
+  reshape = saved.get("reshape", {})  # present only after launch.reshape_checkpoint
+  if reshape.get("param_dtype") not in (None, "float32"):
+    logging.warning("checkpoint %s holds parameters cast to %s by launch.reshape_checkpoint: "
+                    "training resumes from the rounded values", path, reshape["param_dtype"])
+  data_diffs = config_differences(saved, config, "data", ignore=("num_workers",))
+  if data_diffs:
+    logging.warning("resuming %s with a different data config (%s): the saved iterator "
+                    "position is applied to the new data", path, "; ".join(data_diffs))
+
+
+def check_complete(path: str, saved: dict[str, Any], items: dict[str, Any],
+                   names: tuple[str, ...]) -> None:
+  """Raises CorruptCheckpointError if the step lacks one of the items `names` or its config
+  item lacks the writing run's "runtime" record (both always written by `Checkpointer.save`)."""
+  missing = [name for name in names if name not in items]
+  if missing:
+    raise CorruptCheckpointError(f"checkpoint {path} lacks the item(s) {missing}")
+  if "process_count" not in saved.get("runtime", {}):
+    raise CorruptCheckpointError(f"checkpoint {path}: its config item lacks the runtime record "
+                                 "(process_count)")
+
+
+def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any) -> str | None:
+  """Why a checkpoint's data position cannot be applied to `data_iter`, or None if it can.
+
+  Positions are per process (`[process_index::process_count]` documents) and per grain
+  pipeline: worker processes (`data.num_workers`) pack in another order, and a workers'
+  position is not converted to another `train.seq_len` (the in-process one is, see
+  `zaya_jax.data.pipeline.PackedIterator`).
+  """
+  saved_count = int(saved["runtime"]["process_count"])
+  if saved_count != jax.process_count():
+    return (f"it was written by {saved_count} process(es) and this run has "
+            f"{jax.process_count()}: each saved position covers other documents")
+  saved_workers = saved["data"]["num_workers"]
+  if saved_workers != config.data.num_workers:
+    return (f"data.num_workers changed {saved_workers} -> {config.data.num_workers} (each "
+            "worker count reads the documents in its own order)")
+  saved_len = saved["train"]["seq_len"]
+  if saved_len != config.train.seq_len and (
+      config.data.num_workers or not hasattr(data_iter, "saved_seq_len")):
+    return (f"train.seq_len changed {saved_len} -> {config.train.seq_len} and the position of "
+            f"a pipeline with data.num_workers={config.data.num_workers} cannot be converted")
+  return None
+
+
+def saved_model_config(saved: dict[str, Any]) -> ModelConfig:
+  """The ModelConfig of a saved RunConfig dict (fields unknown to this code are dropped)."""
+  names = {f.name for f in dataclasses.fields(ModelConfig)}
+  return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                        for k, v in saved["model"].items() if k in names})
