@@ -12,7 +12,7 @@ Tokenizer: the run's `data.tokenizer` (byte or tokenizer.json), or HF_DIR/tokeni
 `data.add_bos` (--add_bos overrides; default True for --hf_dir). --num_samples rows of the same
 prompt are decoded as one batch. Prints each continuation, then the prefill time and the
 decode speed (tokens/s of all rows, after the first decode step, which compiles).
-Pallas kernels are turned off for decoding (model.kernels=()); no device mesh is used.
+Pallas kernels are turned off for decoding (`ModelConfig.xla_only`); no device mesh is used.
 A missing --workdir, checkpoint, --step or --hf_dir exits non-zero with one line naming it.
 """
 
@@ -54,7 +54,7 @@ def load_run(workdir: str, step: int | None):
   except ValueError as e:
     sys.exit(str(e))
   try:
-    cfg = saved_model_config(saved).replace(kernels=())
+    cfg = saved_model_config(saved).xla_only()
   except (KeyError, TypeError, ValueError) as e:
     sys.exit(f"checkpoint {ckpt_dir}/{step} holds no usable model config ({e!r}); is it a "
              "zaya_jax checkpoint?")
@@ -97,7 +97,7 @@ def main(argv):
                "save_pretrained directory; nothing is downloaded)")
     from zaya_jax.convert.hf import load_pretrained  # local: imports safetensors only when needed
     try:
-      model = load_pretrained(_HF_DIR.value, kernels=())
+      model = load_pretrained(_HF_DIR.value)  # HF configs import with XLA impls
     except (OSError, ValueError) as e:
       sys.exit(f"cannot load --hf_dir={_HF_DIR.value}: {e}")
     saved, source = None, _HF_DIR.value
