@@ -79,7 +79,7 @@ def our_values_and_grads(params, biases_X, x_MD, r_prev_MR, cy_MD, cr_MR, skip_m
   def loss(params, x_MD):
     state = {"router": {**params["router"], "balancing_biases": biases_X}, "experts": params["experts"]}
     moe = module_with(lambda: MoE(CFG.replace(skip_mode=skip_mode)), state)
-    y, r, counts, _ = moe(x_MD[None], r_prev_MR[None], segment_ids)
+    y, r, counts = moe(x_MD[None], r_prev_MR[None], segment_ids)[:3]
     y, r = y.reshape(m, D), r.reshape(m, R)
     return jnp.sum(y * cy_MD) + jnp.sum(r * cr_MR), (y, r, counts)
 
