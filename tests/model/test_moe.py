@@ -206,7 +206,7 @@ def test_balancing_biases_are_state_without_gradient():
   segment_ids = jnp.ones(x_BTD.shape[:2], jnp.int32)
 
   def loss(state):
-    y, r, _, _ = nnx.merge(graphdef, state)(jnp.asarray(x_BTD), jnp.asarray(r_prev_BTR), segment_ids)
+    y, r = nnx.merge(graphdef, state)(jnp.asarray(x_BTD), jnp.asarray(r_prev_BTR), segment_ids)[:2]
     return jnp.sum(y ** 2) + jnp.sum(r)
 
   grads = nnx.to_pure_dict(jax.grad(loss)(state))
