@@ -41,9 +41,8 @@ PARITY_RUNS = (
     ("zero_skip", {"skip_mode": "zero"}, [((1, 1, 8), "all_to_all")], ("diverse", "all_skip")),
     ("balanced", {"force_balanced_routing": True}, [((2, 1, 4), "allgather")], ("diverse",)),
     ("ragged_emulated", {}, [((2, 1, 4), "ragged_all_to_all")], EDGE),
-    # Pallas kernels (interpret mode) run per batch shard inside shard_map (zaya_jax/ops/sharding.py)
-    ("kernels", {"attention_impl": "pallas", "routing_impl": "pallas", "gmm_impl": "pallas"},
-     [((2, 1, 4), "allgather")],
+    # Pallas kernels (interpret mode) run per batch shard inside shard_map (zaya_jax/kernels.py)
+    ("kernels", {"kernels": ("routing", "gmm", "attention")}, [((2, 1, 4), "allgather")],
      ("diverse",)),
 )
 DROP_RUNS = (((1, 1, 8), 0.5),)  # all_to_all below capacity (base config); parity at 8.0 is
