@@ -49,12 +49,13 @@ def get_config() -> ml_collections.ConfigDict:
   m.moe_dispatch = "auto"  # EP token dispatch: "auto" (ragged_all_to_all on GPU, allgather on CPU) | "allgather" | "all_to_all" | "ragged_all_to_all" | "local"
   m.capacity_factor = 1.25  # "all_to_all" only: slots per expert per shard = factor * tokens / E
   m.force_balanced_routing = False  # debug: round-robin tokens over experts (throughput/memory runs)
-  # Experts' grouped matmul: "auto" (tiled on CPU, ragged_dot on GPU) | "ragged_dot" |
-  # "tiled" | "looped" (fastest on one CPU device; not under expert parallelism) (zaya_jax/ops.py).
+  # One impl per hot op (zaya_jax/ops/). "pallas" = the Pallas kernel (Triton lowering: ROCm
+  # and CUDA; interpret mode on CPU, slow), e.g. --config.model.attention_impl=pallas.
+  m.attention_impl = "xla"  # CCA attention: "xla" (causal block triangle) | "pallas" (flash kernel)
+  m.routing_impl = "xla"  # top-1 routing: "xla" | "pallas"
+  # Experts' grouped matmul: "auto" (tiled on CPU, ragged_dot on GPU) | "ragged_dot" | "tiled" |
+  # "looped" (fastest on one CPU device; not under expert parallelism) | "pallas".
   m.gmm_impl = "auto"
-  # Ops to run as Pallas kernels (Triton lowering: ROCm and CUDA; interpret mode on CPU, slow),
-  # any of "routing", "gmm", "attention"; the rest run as XLA. E.g. --config.model.kernels="('gmm','attention')"
-  m.kernels = ml_collections.FieldReference((), field_type=tuple)
   m.pad_token_id = 0  # token id of padding; must equal the tokenizer's pad id
   m.bos_token_id = 2  # token id of beginning-of-sequence; must equal the tokenizer's bos id
   m.eos_token_id = 106  # token id of end-of-sequence; must equal the tokenizer's eos id

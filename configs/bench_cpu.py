@@ -19,7 +19,7 @@ def get_config():
   m.hidden_size = 512
   m.num_layers = 8
   m.layer_types = ("hybrid",) * 8  # full causal attention in every layer
-  m.gmm_impl = "looped"  # fastest grouped matmul on one CPU device (zaya_jax/ops.py)
+  m.gmm_impl = "looped"  # fastest grouped matmul on one CPU device (zaya_jax/ops/grouped_matmul.py)
   m.num_heads = 8
   m.num_kv_heads = 2
   m.head_dim = 64

@@ -12,7 +12,7 @@ Tokenizer: the run's `data.tokenizer` (byte or tokenizer.json), or HF_DIR/tokeni
 `data.add_bos` (--add_bos overrides; default True for --hf_dir). --num_samples rows of the same
 prompt are decoded as one batch. Prints each continuation, then the prefill time and the
 decode speed (tokens/s of all rows, after the first decode step, which compiles).
-Pallas kernels are turned off for decoding (model.kernels=()); no device mesh is used.
+Pallas kernels are turned off for decoding (every op on its XLA impl); no device mesh is used.
 A missing --workdir, checkpoint, --step or --hf_dir exits non-zero with one line naming it.
 """
 
@@ -42,6 +42,9 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json 
 _ADD_BOS = flags.DEFINE_bool("add_bos", None, "Prepend the tokenizer's bos to the prompt "
                              "(default: the run's data.add_bos; True for --hf_dir).")
 flags.mark_flags_as_required(["prompt"])
+
+# Decoding runs every op on its XLA impl (the kernels are written for training shapes).
+_XLA_ONLY = dict(attention_impl="xla", routing_impl="xla", gmm_impl="auto")
 
 
 def pick_tokenizer(saved: dict | None):
@@ -73,7 +76,7 @@ def main(argv):
       sys.exit(f"--hf_dir={_HF_DIR.value}: no such directory (a local transformers "
                "save_pretrained directory; nothing is downloaded)")
     try:
-      model = load_pretrained(_HF_DIR.value, kernels=())
+      model = load_pretrained(_HF_DIR.value, **_XLA_ONLY)
     except (OSError, ValueError) as e:
       sys.exit(f"cannot load --hf_dir={_HF_DIR.value}: {e}")
     saved, source = None, _HF_DIR.value
@@ -81,7 +84,7 @@ def main(argv):
   else:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     try:
-      model, saved, step = runs.load_run_model(_WORKDIR.value, _STEP.value, device, kernels=())
+      model, saved, step = runs.load_run_model(_WORKDIR.value, _STEP.value, device, **_XLA_ONLY)
     except ConvertError as e:
       sys.exit(str(e))
     source = f"{_WORKDIR.value} step {step}"

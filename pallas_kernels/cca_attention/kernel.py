@@ -11,7 +11,7 @@ Three `pallas_call`s, FlashAttention-2 style, on inputs already padded by `ops.p
 - `attention_backward_dkv`: one program per (kv block, batch, kv head); accumulates `dk`, `dv`
   over the `G = N / K` query heads of its group and the q blocks that can see the kv block.
 
-Masking (the same rule as `zaya_jax.model.attention.attention_mask`): query t sees key s iff
+Masking (the same rule as `reference.visible_mask`): query t sees key s iff
 `seg[s] == seg[t]` (0 = padding is compared like any other id), `s <= t`, and, with a window,
 `s > t - window`. Kv blocks (q blocks in `dkv`) wholly outside the causal/window band are
 skipped by the loop bounds; segments are masked element-wise only. Exponentials are base 2

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import resolve_interpret
 from pallas_kernels.gmm import kernel
+from pallas_kernels.gmm.reference import swiglu_grouped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +183,8 @@ def swiglu_experts_gmm(x_MD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Arr
                        interpret: bool | None = None) -> jax.Array:
   """Grouped SwiGLU on sorted rows: `(silu(x Wg[e]) * (x Wu[e])) Wd[e]` per group.
 
-  Same math as `zaya_jax.model.experts.swiglu_experts`: `x` is cast to the weights' dtype;
-  rows past `sum(group_sizes)` give zeros.
+  `reference.swiglu_grouped` with `gmm` as the grouped matmul: `x` is cast to the weights'
+  dtype; rows past `sum(group_sizes)` give zeros.
 
   Args:
     x_MD: `[M, D]` rows sorted by expert.
@@ -196,7 +197,5 @@ def swiglu_experts_gmm(x_MD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Arr
   Raises:
     ValueError: as `gmm`, for any of the three products.
   """
-  x_MD = x_MD.astype(w_gate_EDF.dtype)
   mm = functools.partial(gmm, group_sizes_E=group_sizes_E, block=block, interpret=interpret)
-  h_MF = jax.nn.silu(mm(x_MD, w_gate_EDF)) * mm(x_MD, w_up_EDF)
-  return mm(h_MF, w_down_EFD)
+  return swiglu_grouped(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, mm)

@@ -10,6 +10,8 @@ product, so it is for tests on small shapes only.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -55,3 +57,25 @@ def tgmm_reference(lhs_MK: jax.Array, grad_MN: jax.Array, group_sizes_E: jax.Arr
   out_EKN = jnp.einsum("mk,me,mn->ekn", lhs_MK.astype(jnp.float32), onehot_ME,
                        grad_MN.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   return out_EKN.astype(lhs_MK.dtype)
+
+
+def swiglu_grouped(x_MD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
+                   w_down_EFD: jax.Array,
+                   matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+  """Grouped SwiGLU on rows sorted by expert: `(silu(x Wg[e]) * (x Wu[e])) Wd[e]` per group.
+
+  The one definition of the experts' SwiGLU: `swiglu_experts_gmm` and the model's experts
+  (`zaya_jax.ops.grouped_matmul.swiglu_experts`) call it with their grouped matmul.
+
+  Args:
+    x_MD: `[M, D]` rows sorted by expert, cast to the weights' dtype.
+    w_gate_EDF, w_up_EDF: `[E, D, F]`; w_down_EFD: `[E, F, D]`.
+    matmul: `matmul(a_MK, w_EKN) -> [M, N]`, the grouped matmul over the same group sizes;
+      rows past `sum(group_sizes)` must give zeros (they then give zeros here too).
+  Returns:
+    `[M, D]` in the weights' dtype.
+  Matches: HF `ZayaExperts` (`gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`).
+  """
+  x_MD = x_MD.astype(w_gate_EDF.dtype)
+  h_MF = jax.nn.silu(matmul(x_MD, w_gate_EDF)) * matmul(x_MD, w_up_EDF)
+  return matmul(h_MF, w_down_EFD)

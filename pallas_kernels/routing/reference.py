@@ -38,17 +38,34 @@ class Routing(NamedTuple):
   group_offsets_X: jax.Array
 
 
+def gate_of(probs_MX: jax.Array, class_M: jax.Array) -> jax.Array:
+  """float32 [M]: `probs_MX[m, class_M[m]]`, the unbiased gate of each token's class."""
+  return jnp.take_along_axis(probs_MX, class_M[:, None], axis=-1)[:, 0]
+
+
+def top1(probs_MX: jax.Array, balancing_biases_X: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """ZAYA1's top-1 rule: `(class_M, gate_M)`, the int32 first-index argmax of
+  `stop_gradient(probs) + biases` and `gate_of(probs, class)` (differentiable in `probs`).
+
+  Args:
+    probs_MX: float32 [M, X] router softmax.
+    balancing_biases_X: [X] biases, steering the choice only (no gradient reaches them).
+  Matches: HF `ZayaRouter.forward` (spec §2 "ZAYA1 router").
+  """
+  biased_MX = jax.lax.stop_gradient(probs_MX) + balancing_biases_X.astype(jnp.float32)
+  class_M = jnp.argmax(biased_MX, axis=-1).astype(jnp.int32)
+  return class_M, gate_of(probs_MX, class_M)
+
+
 def route_reference(logits_MX: jax.Array, balancing_biases_X: jax.Array) -> Routing:
   """`Routing` of `logits_MX` [M, X] float32 with `balancing_biases_X` [X] float32.
 
-  Matches `zaya_jax.model.router.Router.__call__` (after `out_proj`) followed by
-  `zaya_jax.parallel.dispatch.sort_by_key(class_M, X)`.
+  `top1` of the softmax followed by the stable sort of tokens by class that the MoE's
+  dispatch performs (`zaya_jax.parallel.dispatch.sort_by_key(class_M, X)`).
   """
   m, x = logits_MX.shape
   probs_MX = jax.nn.softmax(logits_MX.astype(jnp.float32), axis=-1)
-  biased_MX = jax.lax.stop_gradient(probs_MX) + balancing_biases_X.astype(jnp.float32)
-  class_M = jnp.argmax(biased_MX, axis=-1).astype(jnp.int32)
-  gate_M = jnp.take_along_axis(probs_MX, class_M[:, None], axis=-1)[:, 0]
+  class_M, gate_M = top1(probs_MX, balancing_biases_X)
   order_M = jnp.argsort(class_M, stable=True).astype(jnp.int32)
   inverse_M = jnp.zeros((m,), jnp.int32).at[order_M].set(jnp.arange(m, dtype=jnp.int32))
   group_sizes_X = jnp.bincount(class_M, length=x).astype(jnp.int32)

@@ -1,4 +1,7 @@
-"""CCA flash attention (Pallas, interpret mode on CPU) vs the XLA reference; Triton lowering.
+"""CCA flash attention (Pallas) vs its jnp reference; Triton lowering.
+
+`TestCcaAttentionInterpret` runs the kernels in the Pallas interpreter on CPU;
+`TestCcaAttentionCompiled` runs them compiled (GPU only; tests/kernels/base.py).
 
 Values and dq/dk/dv (gradients of a randomly weighted sum of the outputs) are compared on every
 row, padding rows included: the kernel applies the reference's mask exactly (padding queries
@@ -17,6 +20,8 @@ import pytest
 from pallas_kernels.cca_attention import (AttentionBlockSizes, attention_reference,
                                           cca_flash_attention)
 from pallas_kernels.common import GPU_PLATFORMS, triton_calls
+from tests.helpers import assert_close
+from tests.kernels.base import CompiledTest, InterpretTest, KernelParityTest
 
 BLOCK16 = AttentionBlockSizes(block_q=16, block_kv=16, bwd_block_q=16, bwd_block_kv=16)
 # Forward and backward tiles that differ, and q tiles != kv tiles.
@@ -51,27 +56,37 @@ CASES = [  # (batch, seq, heads, kv_heads, head_dim, window, block, dtype)
 ]
 
 
-@pytest.mark.parametrize("batch,seq,heads,kv_heads,head_dim,window,block,dtype", CASES)
-def test_matches_reference(batch, seq, heads, kv_heads, head_dim, window, block, dtype):
-  q, k, v, w = _inputs(batch, seq, heads, kv_heads, head_dim, dtype)
-  seg = _segments(batch, seq)
-  scale = head_dim ** -0.5
-  tol, gtol = (1e-5, 2e-5) if dtype == jnp.float32 else (2e-2, 5e-2)
+class _CcaAttentionTests(KernelParityTest):
 
-  def loss(fn, **kw):
-    def f(q, k, v):
-      out = fn(q, k, v, seg, scale=scale, window=window, **kw)
-      return jnp.sum(w * out.astype(jnp.float32)), out
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  @pytest.mark.parametrize("batch,seq,heads,kv_heads,head_dim,window,block,dtype", CASES)
+  def test_matches_reference(self, batch, seq, heads, kv_heads, head_dim, window, block, dtype):
+    q, k, v, w = _inputs(batch, seq, heads, kv_heads, head_dim, dtype)
+    seg = _segments(batch, seq)
+    scale = head_dim ** -0.5
+    tol, gtol = (1e-5, 2e-5) if dtype == jnp.float32 else (2e-2, 5e-2)
 
-  (_, out), grads = loss(cca_flash_attention, block=block, interpret=True)
-  (_, ref), ref_grads = loss(attention_reference)
-  assert out.dtype == dtype and out.shape == q.shape
-  f32 = lambda x: np.asarray(x.astype(jnp.float32))
-  np.testing.assert_allclose(f32(out), f32(ref), atol=tol, rtol=tol)
-  for name, g, rg in zip("qkv", grads, ref_grads):
-    assert np.all(np.isfinite(f32(g))), f"d{name} not finite"
-    np.testing.assert_allclose(f32(g), f32(rg), atol=gtol, rtol=gtol, err_msg=f"d{name}")
+    def loss(fn, **kw):
+      def f(q, k, v):
+        out = fn(q, k, v, seg, scale=scale, window=window, **kw)
+        return jnp.sum(w * out.astype(jnp.float32)), out
+      return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (_, out), grads = loss(cca_flash_attention, block=block, interpret=self.interpret)
+    (_, ref), ref_grads = loss(attention_reference)
+    assert out.dtype == dtype and out.shape == q.shape
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    assert_close("out", f32(out), f32(ref), atol=tol, rtol=tol)
+    for name, g, rg in zip("qkv", grads, ref_grads):
+      assert np.all(np.isfinite(f32(g))), f"d{name} not finite"
+      assert_close(f"d{name}", f32(g), f32(rg), atol=gtol, rtol=gtol)
+
+
+class TestCcaAttentionCompiled(CompiledTest, _CcaAttentionTests):
+  pass
+
+
+class TestCcaAttentionInterpret(InterpretTest, _CcaAttentionTests):
+  pass
 
 
 def _shapes(b=1, t=8, n=4, kh=2, h=16, dtype=jnp.float32, seg_shape=None):

@@ -1,7 +1,7 @@
 """gmm / tgmm / swiglu_experts_gmm (Pallas, Triton lowering) against the jnp reference.
 
-`TestGmm` runs the compiled Triton kernels (skipped without a GPU); `TestGmmInterpret` runs
-the same cases in the Pallas interpreter on CPU. Tolerances (elementwise
+`TestGmmCompiled` runs the compiled Triton kernels (skipped without a GPU); `TestGmmInterpret`
+runs the same cases in the Pallas interpreter on CPU (tests/kernels/base.py). Tolerances (elementwise
 `|got - want| <= atol + rtol * |want|`): float32 1e-5 / 1e-5, bfloat16 1e-2 / 1e-2 (inputs
 scaled so values and gradients are O(1)..O(10)).
 """
@@ -18,7 +18,9 @@ import pytest
 from pallas_kernels.common import GPU_PLATFORMS, triton_calls
 from pallas_kernels.gmm import GmmBlockSizes, gmm, swiglu_experts_gmm, tgmm
 from pallas_kernels.gmm.reference import gmm_reference, tgmm_reference
-from zaya_jax.model.experts import swiglu_experts
+from tests.helpers import assert_close
+from tests.kernels.base import CompiledTest, InterpretTest, KernelParityTest
+from zaya_jax.ops.grouped_matmul import swiglu_experts
 
 TOLERANCES = {jnp.dtype(jnp.float32): dict(atol=1e-5, rtol=1e-5),
               jnp.dtype(jnp.bfloat16): dict(atol=1e-2, rtol=1e-2)}
@@ -36,15 +38,6 @@ CASES = [
     ("all_rows_skipped", 50, 40, 24, [0, 0, 0, 0], SMALL, jnp.float32),
     ("default_blocks_bf16", 100, 72, 40, [30, 0, 45, 20], GmmBlockSizes(), jnp.bfloat16),
 ]
-
-
-def assert_close(name, got, want, atol, rtol):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-  err = np.abs(got - want)
-  bad = err > atol + rtol * np.abs(want)
-  assert not bad.any(), (f"{name}: {bad.sum()}/{bad.size} off, max |diff| {err.max():.3g}, "
-                         f"max |want| {np.abs(want).max():.3g}")
 
 
 def make_inputs(m, k, n, group_sizes, dtype, seed=0):
@@ -75,21 +68,14 @@ def reference_vjp(lhs, rhs, gs, ct):
   return out, vjp(ct)
 
 
-class TestGmm:
-  INTERPRET = False
-
-  @pytest.fixture(autouse=True)
-  def _needs_gpu(self):
-    if not self.INTERPRET and jax.default_backend() == "cpu":
-      pytest.skip("compiled Triton kernels need a GPU (see TestGmmInterpret)")
-
+class _GmmTests(KernelParityTest):
   @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
   def test_gmm_values_and_grads(self, case):
     _, m, k, n, group_sizes, block, dtype = case
     lhs, rhs, ct, gs = make_inputs(m, k, n, group_sizes, dtype)
     tol = TOLERANCES[jnp.dtype(dtype)]
     out, (dlhs, drhs) = kernel_value_and_grads(lhs, rhs, gs, ct, block=block,
-                                               interpret=self.INTERPRET)
+                                               interpret=self.interpret)
     want, (want_dlhs, want_drhs) = reference_vjp(lhs, rhs, gs, ct)
     assert out.dtype == dlhs.dtype == drhs.dtype == jnp.dtype(dtype)
     assert_close("gmm", out, want, **tol)
@@ -100,7 +86,7 @@ class TestGmm:
 
   def test_tgmm(self):
     lhs, _, ct, gs = make_inputs(50, 40, 24, [10, 0, 17, 13, 0], jnp.float32, seed=1)
-    got = tgmm(lhs, ct, gs, block=SMALL, interpret=self.INTERPRET)
+    got = tgmm(lhs, ct, gs, block=SMALL, interpret=self.interpret)
     assert got.shape == (5, 40, 24)
     assert_close("tgmm", got, tgmm_reference(lhs, ct, gs), **TOLERANCES[jnp.dtype(jnp.float32)])
     assert not np.asarray(got[1]).any() and not np.asarray(got[4]).any()  # empty groups
@@ -121,7 +107,7 @@ class TestGmm:
       return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
           x, w_gate, w_up, w_down)
 
-    ours = lambda *a: swiglu_experts_gmm(*a, gs, block=SMALL, interpret=self.INTERPRET)
+    ours = lambda *a: swiglu_experts_gmm(*a, gs, block=SMALL, interpret=self.interpret)
     model = lambda *a: swiglu_experts(*a, gs, "ragged_dot")
     (_, got_out), got = value_and_grads(ours)
     with jax.default_matmul_precision("highest"):  # no TF32 in the XLA path on a GPU
@@ -131,8 +117,12 @@ class TestGmm:
       assert_close(name, g, w, atol=1e-5, rtol=1e-4)
 
 
-class TestGmmInterpret(TestGmm):
-  INTERPRET = True
+class TestGmmCompiled(CompiledTest, _GmmTests):
+  pass
+
+
+class TestGmmInterpret(InterpretTest, _GmmTests):
+  pass
 
 
 @pytest.mark.parametrize("args, match", [

@@ -1,4 +1,5 @@
-"""With `ModelConfig.kernels` on, the full model equals the XLA path (Pallas interpret mode).
+"""With the Pallas impls on (`ModelConfig.*_impl="pallas"`), the full model equals the XLA path
+(Pallas interpret mode).
 
 One tiny model (2 layers, one sliding; 4 experts; T = 24, not a multiple of the kernels'
 16-row blocks; packed documents and padding), float32. Logits and the gradient of the masked
@@ -45,12 +46,15 @@ def setup():
   return cfg, model, batch, loss, logits, counts, grads
 
 
+IMPL_FIELDS = {"attention": "attention_impl", "routing": "routing_impl", "gmm": "gmm_impl"}
+
+
 @pytest.mark.parametrize("kernels", [("attention",),
                                      ("routing", "gmm", "attention")])
 def test_kernels_match_xla_path(setup, kernels):
   cfg, model, batch, loss, logits, counts, grads = setup
   graphdef, state = nnx.split(model)
-  kcfg = dataclasses.replace(cfg, kernels=kernels)
+  kcfg = dataclasses.replace(cfg, **{IMPL_FIELDS[op]: "pallas" for op in kernels})
   kgraphdef, _ = nnx.split(random_model(kcfg, seed=1))
   kmodel = nnx.merge(kgraphdef, state)
   (kloss, (klogits, kcounts)), kgrads = loss_and_grads(kmodel, batch)

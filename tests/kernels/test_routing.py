@@ -5,7 +5,7 @@ Every case checks all six `Routing` outputs (integers exactly, the gate to 1e-6)
 gradient of sum(w * gate) w.r.t. the logits (and the zero gradient of the biases) against
 `jax.vjp` of `route_reference`. Cases share (M, X, block) where they can, so one compile
 serves several (interpret mode compiles per shape). `TestRoutingInterpret` runs on CPU; the
-compiled `TestRoutingCompiled` needs a GPU. The lowering checks need no GPU: both forward
+compiled `TestRoutingCompiled` needs a GPU (tests/kernels/base.py). The lowering checks need no GPU: both forward
 kernels lower to Triton custom calls for ROCm and CUDA (the backward is jnp, by design).
 """
 
@@ -21,9 +21,10 @@ import pytest
 from pallas_kernels.common import GPU_PLATFORMS, triton_calls
 from pallas_kernels.routing import (Routing, RoutingBlockSizes, permute, route, route_reference,
                                     unpermute)
+from tests.helpers import assert_close
+from tests.kernels.base import CompiledTest, InterpretTest, KernelParityTest
 from zaya_jax.parallel.dispatch import sort_by_key, unsort
 
-ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 INT_FIELDS = ("class_M", "order_M", "inverse_M", "group_sizes_X", "group_offsets_X")
 
 
@@ -78,25 +79,23 @@ def _assert_routing_equal(got: Routing, want: Routing):
     assert g.dtype == np.int32, (name, g.dtype)
     np.testing.assert_array_equal(g, w, err_msg=name)
   assert got.gate_M.dtype == jnp.float32
-  np.testing.assert_allclose(got.gate_M, want.gate_M, atol=1e-6, rtol=0)
+  assert_close("gate_M", got.gate_M, want.gate_M, atol=1e-6, rtol=0)
 
 
-class _RoutingTests:
-  INTERPRET: bool
+class _RoutingTests(KernelParityTest):
 
   def route(self, logits, biases, block_m=128):
     w = jnp.ones(logits.shape[:1], jnp.float32)
-    return _value_and_grads(self.INTERPRET, block_m)(logits, biases, w)[0][1]
+    return _value_and_grads(self.interpret, block_m)(logits, biases, w)[0][1]
 
   @pytest.mark.parametrize("case", list(CASES))
   def test_values_and_gradients_match_reference(self, case):
     logits, biases, block_m = CASES[case]
     w = jax.random.normal(jax.random.key(11), logits.shape[:1], jnp.float32)
-    (_, got), (dl_got, db_got) = _value_and_grads(self.INTERPRET, block_m)(logits, biases, w)
+    (_, got), (dl_got, db_got) = _value_and_grads(self.interpret, block_m)(logits, biases, w)
     (_, want), (dl_want, db_want) = _value_and_grads(None, 0)(logits, biases, w)
     _assert_routing_equal(got, want)
-    err = float(jnp.max(jnp.abs(dl_got - dl_want)))
-    assert err <= 1e-6, f"d logits max|diff| {err:.3e}"
+    assert_close("d logits", dl_got, dl_want, atol=1e-6, rtol=0)
     np.testing.assert_array_equal(db_got, 0.0)
     np.testing.assert_array_equal(db_want, 0.0)
     # The case exercises what its name says.
@@ -135,13 +134,12 @@ class _RoutingTests:
     _assert_routing_equal(self.route(logits, biases), route_reference(logits, biases))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="compiled Triton kernels need a GPU")
-class TestRoutingCompiled(_RoutingTests):
-  INTERPRET = False
+class TestRoutingCompiled(CompiledTest, _RoutingTests):
+  pass
 
 
-class TestRoutingInterpret(_RoutingTests):
-  INTERPRET = True
+class TestRoutingInterpret(InterpretTest, _RoutingTests):
+  pass
 
 
 @pytest.mark.parametrize("logits_shape, biases_shape, dtype, match", [

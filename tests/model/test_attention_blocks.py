@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.model.attention import attention_mask, causal_block_attention, dot_product_attention
+from zaya_jax.ops.attention import attention_mask, causal_block_attention, dot_product_attention
 
 
 def segments(t):

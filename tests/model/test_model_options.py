@@ -17,7 +17,9 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 
 from tests.model import hf_reference
+from configs import zaya1_tiny
 from tests.helpers import assert_close, random_model
+from zaya_jax.config import COMPUTE_ONLY_MODEL_FIELDS, ConfigError, resolve
 from zaya_jax.convert import load_pretrained
 from zaya_jax.model import ModelConfig
 
@@ -99,10 +101,28 @@ def test_bfloat16_compute_close_to_float32(scanned):
     (dict(dtype="float16"), "dtype"),
     (dict(hidden_size=0), "hidden_size"),
     (dict(partial_rotary_factor=0.3), "partial_rotary_factor"),
+    (dict(attention_impl="flash"), "attention_impl"),
+    (dict(routing_impl="auto"), "routing_impl"),
+    (dict(gmm_impl="dense"), "gmm_impl"),
 ])
 def test_config_errors_name_the_field(overrides, field):
   with pytest.raises(ValueError, match=rf"model\.{field}\b"):
     CFG.replace(**overrides)
+
+
+def test_replaced_kernels_field_names_the_new_fields():
+  config = zaya1_tiny.get_config()
+  with config.unlocked():
+    config.model.kernels = ("gmm",)
+  with pytest.raises(ConfigError, match=r"^model\.kernels was replaced by model\.attention_impl / "
+                     r"model\.routing_impl / model\.gmm_impl='pallas'$"):
+    resolve(config)
+
+
+def test_compute_only_fields_are_tagged_in_the_dataclass():
+  assert set(COMPUTE_ONLY_MODEL_FIELDS) == {
+      "dtype", "scan_layers", "remat", "attention_impl", "routing_impl", "gmm_impl",
+      "moe_dispatch", "capacity_factor", "force_balanced_routing"}
 
 
 # --- load_pretrained: bad and sharded checkpoints -----------------------------------------------

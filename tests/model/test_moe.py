@@ -79,7 +79,7 @@ def our_values_and_grads(params, biases_X, x_MD, r_prev_MR, cy_MD, cr_MR, skip_m
   def loss(params, x_MD):
     state = {"router": {**params["router"], "balancing_biases": biases_X}, "experts": params["experts"]}
     moe = module_with(lambda: MoE(CFG.replace(skip_mode=skip_mode)), state)
-    y, r, counts, _ = moe(x_MD[None], r_prev_MR[None], segment_ids)
+    y, r, counts = moe(x_MD[None], r_prev_MR[None], segment_ids)[:3]
     y, r = y.reshape(m, D), r.reshape(m, R)
     return jnp.sum(y * cy_MD) + jnp.sum(r * cr_MR), (y, r, counts)
 
@@ -206,7 +206,7 @@ def test_balancing_biases_are_state_without_gradient():
   segment_ids = jnp.ones(x_BTD.shape[:2], jnp.int32)
 
   def loss(state):
-    y, r, _, _ = nnx.merge(graphdef, state)(jnp.asarray(x_BTD), jnp.asarray(r_prev_BTR), segment_ids)
+    y, r = nnx.merge(graphdef, state)(jnp.asarray(x_BTD), jnp.asarray(r_prev_BTR), segment_ids)[:2]
     return jnp.sum(y ** 2) + jnp.sum(r)
 
   grads = nnx.to_pure_dict(jax.grad(loss)(state))

@@ -1,4 +1,4 @@
-"""`ops.grouped_matmul`: the tiled and looped implementations equal `jax.lax.ragged_dot` in
+"""`zaya_jax.ops.grouped_matmul`: the tiled and looped implementations equal `jax.lax.ragged_dot` in
 values and gradients."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax import ops
+from zaya_jax.ops import grouped_matmul as ops
 
 CASES = {
     "random": [5, 0, 9, 3, 7],

@@ -9,10 +9,10 @@ from flax import nnx
 from tests.helpers import random_batch, tiny_model_config
 from zaya_jax.config import TrainConfig
 from zaya_jax.model import BalancingBias
+from zaya_jax.ops.cross_entropy import linear_cross_entropy
 from zaya_jax.train import (cross_entropy, decay_mask, init_train_state, make_optimizer,
                             make_schedule, train_step)
 from zaya_jax.train.optim import per_layer_ndim
-from zaya_jax.train.step import linear_cross_entropy
 from zaya_jax.train.state import abstract_model
 
 

@@ -21,9 +21,13 @@ from zaya_jax.config.mesh import MeshConfig
 
 GROUPS = ("model", "data", "train", "checkpoint", "mesh", "balance")
 # Model fields that change how the model computes, not its parameters: they may differ
-# between a checkpoint and the run that resumes from it.
-COMPUTE_ONLY_MODEL_FIELDS = ("dtype", "scan_layers", "remat", "gmm_impl", "moe_dispatch",
-                             "capacity_factor", "force_balanced_routing", "kernels")
+# between a checkpoint and the run that resumes from it (tagged in ModelConfig's dataclass).
+COMPUTE_ONLY_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                                  if f.metadata.get("compute_only"))
+# Fields that were replaced: `group.field` -> what to set instead (the error names it).
+RENAMED_FIELDS = {
+    "model.kernels": "model.attention_impl / model.routing_impl / model.gmm_impl='pallas'",
+}
 
 
 class ConfigError(ValueError):
@@ -285,12 +289,14 @@ def build_group(cls, config: ml_collections.ConfigDict, group: str):
   values = dict(config[group])
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - names)
+  for f in unknown:
+    if f"{group}.{f}" in RENAMED_FIELDS:
+      raise ConfigError(f"{group}.{f} was replaced by {RENAMED_FIELDS[f'{group}.{f}']}")
   if unknown:
     raise ConfigError(f"{group}.{unknown[0]} is not a field of {cls.__name__}; "
                       f"known fields: {sorted(names)}")
-  for f in ("layer_types", "kernels"):  # ConfigDict/JSON may hand back a list
-    if f in values:
-      values[f] = tuple(values[f])
+  if "layer_types" in values:  # ConfigDict/JSON may hand back a list
+    values["layer_types"] = tuple(values["layer_types"])
   try:
     return cls(**values)
   except ConfigError:

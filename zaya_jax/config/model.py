@@ -9,11 +9,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zaya_jax.ops import attention, grouped_matmul, route
+
 LAYER_TYPES = ("hybrid", "hybrid_sliding")  # full causal attention | sliding-window attention
 SKIP_MODES = ("zero", "scaled_identity")  # transformers | Zyphra's original trainer (gate * x)
 DTYPES = ("float32", "bfloat16")
 ROUTER_INITS = ("fan_in", "normal")  # router MLP init: std 1/sqrt(fan_in) | initializer_range
-KERNEL_OPS = ("routing", "gmm", "attention")  # ops with a Pallas kernel (pallas_kernels/)
+IMPLS = {"attention_impl": attention.IMPLS, "routing_impl": route.IMPLS,
+         "gmm_impl": grouped_matmul.IMPLS}  # field -> the op's implementations
+
+
+def _compute_only(default: Any) -> Any:
+  """A field that changes how the model computes, not its parameters (the last group below)."""
+  return dataclasses.field(default=default, metadata={"compute_only": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,17 +59,21 @@ class ModelConfig:
   # fresh router gives every token the same probabilities (spread ~1e-5) and the balancing
   # biases cannot split tokens between experts; "fan_in" keeps the logits' spread O(1).
   router_init: str = "fan_in"
-  dtype: str = "float32"  # compute dtype of matmuls (params, residual, norms, softmax stay f32)
-  scan_layers: bool = True  # run layers with nnx.scan (compile time independent of depth)
-  remat: bool = False  # rematerialise each layer in the backward pass
-  moe_dispatch: str = "auto"  # EP token dispatch: zaya_jax.parallel.dispatch.DISPATCHES
-  capacity_factor: float = 1.25  # "all_to_all" dispatch: slots per expert = factor * tokens / E
-  force_balanced_routing: bool = False  # debug: round-robin tokens over experts (throughput runs)
-  gmm_impl: str = "auto"  # experts' grouped matmul: one of zaya_jax.ops.GMM_IMPLS
-  kernels: tuple[str, ...] = ()  # ops run as Pallas kernels (zaya_jax/kernels.py): "routing", "gmm", "attention"
   pad_token_id: int = 0
   bos_token_id: int = 2
   eos_token_id: int = 106
+
+  # --- Compute only: how the model computes, not its parameters. These may differ between a
+  # checkpoint and the run that resumes from it (zaya_jax.config.COMPUTE_ONLY_MODEL_FIELDS).
+  dtype: str = _compute_only("float32")  # compute dtype of matmuls (params, residual, norms, softmax stay f32)
+  scan_layers: bool = _compute_only(True)  # run layers with nnx.scan (compile time independent of depth)
+  remat: bool = _compute_only(False)  # rematerialise each layer in the backward pass
+  attention_impl: str = _compute_only("xla")  # CCA attention: zaya_jax.ops.attention.IMPLS
+  routing_impl: str = _compute_only("xla")  # top-1 routing: zaya_jax.ops.route.IMPLS
+  gmm_impl: str = _compute_only("auto")  # experts' grouped matmul: zaya_jax.ops.grouped_matmul.IMPLS
+  moe_dispatch: str = _compute_only("auto")  # EP token dispatch: zaya_jax.parallel.dispatch.DISPATCHES
+  capacity_factor: float = _compute_only(1.25)  # "all_to_all" dispatch: slots per expert = factor * tokens / E
+  force_balanced_routing: bool = _compute_only(False)  # debug: round-robin tokens over experts (throughput runs)
 
   def __post_init__(self):
     def fail(field, msg):
@@ -95,12 +107,9 @@ class ModelConfig:
       fail("skip_mode", f"{self.skip_mode!r}; must be one of {SKIP_MODES}")
     if self.router_init not in ROUTER_INITS:
       fail("router_init", f"{self.router_init!r}; must be one of {ROUTER_INITS}")
-    if self.gmm_impl not in ("auto", "ragged_dot", "tiled", "looped"):
-      fail("gmm_impl", f"{self.gmm_impl!r}; must be one of ('auto', 'ragged_dot', 'tiled', 'looped')")
-    for op in self.kernels:
-      if op not in KERNEL_OPS:
-        fail("kernels", f"entry {op!r}; must be a tuple of {KERNEL_OPS} (the ops to run as Pallas "
-             "kernels; () = all XLA)")
+    for f, allowed in IMPLS.items():
+      if getattr(self, f) not in allowed:
+        fail(f, f"{getattr(self, f)!r}; must be one of {allowed}")
     if self.moe_dispatch not in ("auto", "local", "allgather", "all_to_all", "ragged_all_to_all"):
       fail("moe_dispatch", f"{self.moe_dispatch!r}; must be one of ('auto', 'local', 'allgather', "
            "'all_to_all', 'ragged_all_to_all')")
@@ -115,12 +124,22 @@ class ModelConfig:
     return int(self.head_dim * self.partial_rotary_factor)
 
   @property
+  def attention_window(self) -> int | None:
+    """Tokens a `hybrid_sliding` query sees, or None when no layer is a sliding one."""
+    return self.sliding_window if "hybrid_sliding" in self.layer_types else None
+
+  @property
   def num_router_classes(self) -> int:
     """X = E + 1: the routed experts plus the skip class (index E)."""
     return self.num_experts + 1
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
+
+  def xla_only(self) -> "ModelConfig":
+    """This config with every op on its XLA impl (no Pallas kernel; e.g. for decoding)."""
+    gmm = "auto" if self.gmm_impl == "pallas" else self.gmm_impl
+    return self.replace(attention_impl="xla", routing_impl="xla", gmm_impl=gmm)
 
   # --- Hugging Face config.json -------------------------------------------------------------
   def to_hf_dict(self) -> dict[str, Any]:

@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zaya_jax import kernels
-from zaya_jax.model.attention import dot_product_attention, shift_right, shifted_same_document
 from zaya_jax.config.model import ModelConfig
+from zaya_jax.model.attention import shift_right, shifted_same_document
 from zaya_jax.model.layers import compute_dtype, normal, param, zeros
 from zaya_jax.model.rope import apply_rope
+from zaya_jax.ops.attention import attention, dot_product_attention
 
 
 class CCA(nnx.Module):
@@ -132,15 +132,16 @@ class CCA(nnx.Module):
                sin_BTP: jax.Array, mask_BTS: jax.Array | None,
                sliding: jax.Array | bool = False) -> jax.Array:
     """Args: `a_BTD` normed input; `segment_ids_BT` int32 (0 = pad); RoPE tables float32
-    `[B, T, rotary_dim]`; `mask_BTS` bool attention mask (None with the Pallas attention
-    kernel, which masks from the segment ids); `sliding` bool []: a sliding-window layer
-    (read by the kernel only). Returns `[B, T, D]` in the compute dtype."""
+    `[B, T, rotary_dim]`; `mask_BTS` this layer's bool attention mask (None with
+    `attention_impl="pallas"`, which masks from the segment ids); `sliding` bool []: a
+    sliding-window layer. Returns `[B, T, D]` in the compute dtype."""
     dtype = compute_dtype(self.cfg.dtype)
     q, k, v = self.qkv(a_BTD, segment_ids_BT)
     q, k = self.qk_norm(q, k)
     q, k = apply_rope(q, cos_BTP, sin_BTP), apply_rope(k, cos_BTP, sin_BTP)
-    o_BTNH = kernels.attention(self.cfg, q, k, v, segment_ids_BT, mask_BTS, sliding,
-                               scale=self.cfg.head_dim ** -0.5)
+    o_BTNH = attention(q, k, v, segment_ids_BT, mask_BTS, scale=self.cfg.head_dim ** -0.5,
+                       window=self.cfg.attention_window, sliding=sliding,
+                       impl=self.cfg.attention_impl)
     return jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(dtype)) + self._bias("o_bias", dtype)
 
   # --- Incremental decoding (zaya_jax/generate.py) --------------------------------------------
@@ -152,7 +153,7 @@ class CCA(nnx.Module):
     evaluated only at positions `start .. start+T-1`: the convolutions read the cached last
     W0+W1-2 conv inputs, the delayed value reads the cached previous delayed projection, and
     attention reads the cached keys/values (causal; on sliding layers `q - kv < window`).
-    Attention always runs on the XLA path (`dot_product_attention`), whatever `cfg.kernels`.
+    Attention always runs on the XLA path (`dot_product_attention`), whatever `cfg.attention_impl`.
 
     Args:
       a_BTD: normed input of the new tokens.

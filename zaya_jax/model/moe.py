@@ -1,4 +1,4 @@
-# Shape letters: B T D M X E (see zaya_jax/__init__.py).
+# Shape letters: B T D M R X E (see zaya_jax/__init__.py).
 """The MoE block: router -> dispatch (sort by expert, EP exchange) -> experts -> combine -> gate.
 
 Skip class (index E) semantics are a config value (`ModelConfig.skip_mode`):
@@ -17,18 +17,40 @@ Matches: HF `ZayaSparseMoeBlock.forward`; spec §2 "Experts".
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax import kernels
+from pallas_kernels.routing import gate_of
+from zaya_jax.config.mesh import BATCH_AXES, EXPERT
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.model.experts import Experts, swiglu_experts
+from zaya_jax.model.experts import Experts
 from zaya_jax.model.router import Router
+from zaya_jax.ops.grouped_matmul import swiglu_experts
+from zaya_jax.ops.route import RouteResult
 from zaya_jax.parallel.dispatch import LocalDispatch, make_dispatcher, resolve_dispatch
-from zaya_jax.parallel.mesh import BATCH_AXES, EXPERT
+
+
+class MoEOutput(NamedTuple):
+  """What `MoE.__call__` returns.
+
+  y_BTD: the gated MoE output (compute dtype); r_BTR: float32 router state after EDA, for the
+  next layer; counts_X: float32 non-padding tokens routed to each class; dropped: float32 []
+  non-padding tokens dropped by a capacity-limited dispatch; stats: with `router_stats`, a
+  dict of float32 means over non-padding tokens, `entropy` [] (-sum_x p log p, nats),
+  `mean_probs` [X] (softmax) and `z2` [] (logsumexp(logits)^2), for metrics and the auxiliary
+  losses (differentiable), `probs` [M, X], every token's softmax without gradient (quantile
+  balancing), and `biases` [X], the balancing biases the tokens were routed with; else None.
+  """
+
+  y_BTD: jax.Array
+  r_BTR: jax.Array
+  counts_X: jax.Array
+  dropped: jax.Array
+  stats: dict[str, jax.Array] | None = None
 
 
 def _experts_on_shard(dispatcher, gmm_impl, x_MD, class_M, w_gate, w_up, w_down, vary_axes=()):
@@ -54,15 +76,15 @@ class MoE(nnx.Module):
     self.moe_dispatch = cfg.moe_dispatch
     self.capacity_factor = cfg.capacity_factor
     self.force_balanced_routing = cfg.force_balanced_routing
-    self.gmm_impl = kernels.gmm_impl(cfg)
+    self.gmm_impl = cfg.gmm_impl
     self.router = Router(cfg, rngs=rngs)
     self.experts = Experts(cfg, rngs=rngs)
 
-  def expert_outputs(self, x_MD: jax.Array, class_M: jax.Array, route=None):
+  def expert_outputs(self, x_MD: jax.Array, class_M: jax.Array, route: RouteResult | None = None):
     """Ungated expert output `[M, D]` (0 for skipped/dropped tokens) and the dropped mask `[M]`.
 
-    `route` (a `kernels.RouteResult`): with the "routing" kernel it carries the permutation
-    grouping tokens by class, which the single-shard dispatch then uses instead of sorting.
+    `route`: with `routing_impl="pallas"` it carries the permutation grouping tokens by class,
+    which the single-shard dispatch then uses instead of sorting.
     """
     weights = self.experts.weights()
     mesh = jax.sharding.get_abstract_mesh()
@@ -75,7 +97,7 @@ class MoE(nnx.Module):
     name = resolve_dispatch(self.moe_dispatch, mesh.shape[EXPERT])
     dispatcher = make_dispatcher(name, self.num_experts, self.capacity_factor)
     # The Pallas gmm in interpret mode trips shard_map's varying-axes checker (see
-    # kernels._per_batch_shard); without the checker, shard_map's transpose still sums the
+    # zaya_jax.ops.sharding); without the checker, shard_map's transpose still sums the
     # replicated weights' gradients over the batch axes.
     kernel_gmm = self.gmm_impl == "pallas"
     vary_axes = () if kernel_gmm else tuple(a for a in BATCH_AXES if a != EXPERT)
@@ -85,20 +107,14 @@ class MoE(nnx.Module):
                          out_specs=(tokens, tokens), check_vma=not kernel_gmm)(x_MD, class_M, *weights)
 
   def __call__(self, b_BTD: jax.Array, r_prev_BTR: jax.Array, segment_ids_BT: jax.Array,
-               router_stats: bool = False, batch_balance=None):
+               router_stats: bool = False, batch_balance=None) -> MoEOutput:
     """Args: `b_BTD` the post-attention-normed input; `r_prev_BTR` float32 router state of the
-    previous layer (zeros for layer 0); `segment_ids_BT` (0 = pad, only for the statistics).
-
-    Returns `(y_BTD, r_BTR, counts_X, dropped)`: the gated MoE output (compute dtype), this
-    layer's router state, float32 numbers of non-padding tokens routed to each class, and the
-    float32 number of non-padding tokens dropped by a capacity-limited dispatch. With
-    `router_stats`, a fifth element: a dict of float32 means over non-padding tokens,
-    `entropy` [] (-sum_x p log p, nats), `mean_probs` [X] (softmax) and `z2` []
-    (logsumexp(logits)^2), for metrics and the auxiliary losses (differentiable), and
-    `probs` [M, X], every token's softmax without gradient (quantile balancing), and
-    `biases` [X], the balancing biases the tokens were routed with. `batch_balance` (a
+    previous layer (zeros for layer 0); `segment_ids_BT` (0 = pad, only for the statistics);
+    `router_stats`: also compute `MoEOutput.stats`; `batch_balance` (a
     `zaya_jax.model.quantile.BatchBalance`, training only): route with biases solved from
     this batch's probabilities instead of the stored ones.
+
+    Returns a `MoEOutput`.
     """
     bsz, t, d = b_BTD.shape
     e = self.num_experts
@@ -110,7 +126,7 @@ class MoE(nnx.Module):
     class_M, gate_M = route.class_M, route.gate_M
     if self.force_balanced_routing:  # debug: round-robin over experts, for throughput runs
       class_M = jnp.arange(bsz * t, dtype=jnp.int32) % e
-      gate_M = jnp.take_along_axis(probs_MX, class_M[:, None], axis=-1)[:, 0]
+      gate_M = gate_of(probs_MX, class_M)
       route = None
     y_MD, dropped_M = self.expert_outputs(x_MD, class_M, route)
     bypass_M1 = ((class_M == e) | dropped_M)[:, None]
@@ -121,7 +137,7 @@ class MoE(nnx.Module):
     y_MD = y_MD * gate_M[:, None].astype(y_MD.dtype)
     counts_X = jnp.zeros((e + 1,), jnp.float32).at[class_M].add(real_M)
     dropped = jnp.sum(dropped_M * real_M)
-    out = (y_MD.reshape(bsz, t, d), r_MR.reshape(bsz, t, -1), counts_X, dropped)
+    out = MoEOutput(y_MD.reshape(bsz, t, d), r_MR.reshape(bsz, t, -1), counts_X, dropped)
     if not router_stats:
       return out
     n_real = jnp.maximum(jnp.sum(real_M), 1.0)
@@ -131,4 +147,4 @@ class MoE(nnx.Module):
              "mean_probs": jnp.sum(probs_MX * real_M[:, None], axis=0) / n_real,
              "z2": mean(jnp.square(jax.nn.logsumexp(logits_MX, axis=-1))),
              "probs": jax.lax.stop_gradient(probs_MX), "biases": biases_X}
-    return (*out, stats)
+    return out._replace(stats=stats)

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zaya_jax import kernels
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.layers import RMSNorm, normal, ones, param, zeros
 from zaya_jax.model.quantile import BatchBalance
+from zaya_jax.ops.route import RouteResult, route
 
 
 class BalancingBias(nnx.Variable):
@@ -47,7 +47,7 @@ class Router(nnx.Module):
     # The router MLP's own init (ModelConfig.router_init): "fan_in" keeps each layer's output
     # variance, so fresh logits differ between tokens and the balancing biases can split them.
     mlp_init = normal(r ** -0.5) if cfg.router_init == "fan_in" else init
-    self.cfg = cfg
+    self.routing_impl = cfg.routing_impl
     self.down_proj = param(rngs, init, (d, r), ("embed", "router"))  # MD,DR->MR
     self.down_bias = param(rngs, zeros, (r,), ("router",))
     self.router_states_scale = param(rngs, ones, (r,), ("router",))  # EDA scale (unused on layer 0)
@@ -61,13 +61,13 @@ class Router(nnx.Module):
         jnp.zeros((x,), jnp.float32).at[-1].set(-1.0), out_sharding=("classes",), eager_sharding=False)
 
   def __call__(self, h_MD: jax.Array, r_prev_MR: jax.Array):
-    route, r_MR, probs_MX = self.route(h_MD, r_prev_MR)
-    return route.class_M, route.gate_M, r_MR, probs_MX
+    result, r_MR, probs_MX = self.route(h_MD, r_prev_MR)
+    return result.class_M, result.gate_M, r_MR, probs_MX
 
   def route(self, h_MD: jax.Array, r_prev_MR: jax.Array, with_logits: bool = False,
             batch_balance: BatchBalance | None = None, valid_M: jax.Array | None = None):
-    """`(kernels.RouteResult, r_MR, probs_MX)`: as `__call__`, plus (with the "routing"
-    kernel) the permutation grouping tokens by class, for the MoE's local dispatch. With
+    """`(RouteResult, r_MR, probs_MX)`: as `__call__`, plus (with `routing_impl="pallas"`) the
+    permutation grouping tokens by class, for the MoE's local dispatch. With
     `with_logits`, two more elements: the float32 router logits `[M, X]` (for the z-loss)
     and the biases `[X]` the tokens were routed with: the stored `balancing_biases`, or,
     with `batch_balance`, those it solves from these tokens' probabilities (`valid_M`: bool
@@ -83,7 +83,7 @@ class Router(nnx.Module):
     biases_X = self.balancing_biases[...]
     if batch_balance is not None:
       biases_X = batch_balance.solve(jax.lax.stop_gradient(probs_MX), valid_M, biases_X)
-    route = kernels.route(self.cfg, logits_MX, probs_MX, biases_X)
+    result: RouteResult = route(logits_MX, probs_MX, biases_X, impl=self.routing_impl)
     if with_logits:
-      return route, r_MR, probs_MX, logits_MX, biases_X
-    return route, r_MR, probs_MX
+      return result, r_MR, probs_MX, logits_MX, biases_X
+    return result, r_MR, probs_MX

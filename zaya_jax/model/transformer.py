@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zaya_jax import kernels
-from zaya_jax.model.attention import attention_mask, document_positions
-from zaya_jax.model.cca import CCA
 from zaya_jax.config.model import ModelConfig
+from zaya_jax.model.attention import document_positions
+from zaya_jax.model.cca import CCA
 from zaya_jax.model.layers import RMSNorm, ResidualScale, compute_dtype, normal, ones, param, zeros
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.rope import rope_cos_sin
+from zaya_jax.ops.attention import attention_mask
 
 
 class ZayaLayer(nnx.Module):
@@ -45,17 +45,16 @@ class ZayaLayer(nnx.Module):
                batch_balance=None):
     """`x_BTD` float32 residual, `r_prev_BTR` previous router state ->
     `(x_BTD, r_BTR, (counts_X, dropped, router_stats))` (routing statistics, see
-    `MoE.__call__` with `router_stats=True`; `batch_balance` as there).
-    `mask_BTS` is None when attention runs as the Pallas kernel (`sliding` tells it the
-    layer type)."""
+    `MoEOutput.stats`; `batch_balance` as in `MoE.__call__`).
+    `mask_BTS` is None with `attention_impl="pallas"` (`sliding` tells it the layer type)."""
     a_BTD = self.input_layernorm(x_BTD)
     o_BTD = self.self_attn(a_BTD, segment_ids_BT, cos_BTP, sin_BTP, mask_BTS, sliding)
     x_BTD = self.post_attention_residual_scale(o_BTD, x_BTD)
     b_BTD = self.post_attention_layernorm(x_BTD)
-    y_BTD, r_BTR, counts_X, dropped, router_stats = self.mlp(
-        b_BTD, r_prev_BTR, segment_ids_BT, router_stats=True, batch_balance=batch_balance)
-    x_BTD = self.post_mlp_residual_scale(y_BTD, x_BTD)
-    return x_BTD, r_BTR, (counts_X, dropped, router_stats)
+    moe = self.mlp(b_BTD, r_prev_BTR, segment_ids_BT, router_stats=True,
+                   batch_balance=batch_balance)
+    x_BTD = self.post_mlp_residual_scale(moe.y_BTD, x_BTD)
+    return x_BTD, moe.r_BTR, (moe.counts_X, moe.dropped, moe.stats)
 
   def extend(self, x_BTD, r_prev_BTR, cache, start, cos_BTP, sin_BTP, sliding=False):
     """`__call__` for T new tokens continuing the `start` cached ones (one document per row):
@@ -65,10 +64,9 @@ class ZayaLayer(nnx.Module):
     x_BTD = self.post_attention_residual_scale(o_BTD, x_BTD)
     b_BTD = self.post_attention_layernorm(x_BTD)
     seg_BT = jnp.ones(x_BTD.shape[:2], jnp.int32)
-    moe_out = self.mlp(b_BTD, r_prev_BTR, seg_BT)  # (y, r, statistics...)
-    y_BTD, r_BTR = moe_out[0], moe_out[1]
-    x_BTD = self.post_mlp_residual_scale(y_BTD, x_BTD)
-    return x_BTD, r_BTR, cache
+    moe = self.mlp(b_BTD, r_prev_BTR, seg_BT)
+    x_BTD = self.post_mlp_residual_scale(moe.y_BTD, x_BTD)
+    return x_BTD, moe.r_BTR, cache
 
 
 class ZayaForCausalLM(nnx.Module):
@@ -110,6 +108,30 @@ class ZayaForCausalLM(nnx.Module):
     logits_BTV = self.lm_head(x_BTD)
     return (logits_BTV, aux) if return_aux else logits_BTV
 
+  # Step 1: embedding and input scaling; the residual stream is float32 from here on.
+  def embed(self, input_ids_BT: jax.Array) -> jax.Array:
+    """int32 `[B, T]` token ids -> the float32 residual `[B, T, D]` entering layer 0."""
+    h_BTD = self.embed_tokens[...][input_ids_BT]
+    return ((h_BTD + self.input_hidden_states_bias[...]) * self.input_hidden_states_scale[...]).astype(jnp.float32)
+
+  # Step 2: the layers. Layer 0 receives a zero router state, so EDA is a no-op there.
+  def scan_layers(self, layer_step, x_BTD: jax.Array, *per_layer, remat: bool = False):
+    """Runs `layer_step((x, r), layer, sliding, *slices) -> ((x, r), y)` over the L stacked
+    layers with `nnx.scan` (unrolled without `cfg.scan_layers`), from the residual `x_BTD` and
+    a zero float32 router state `[B, T, R]`; `sliding` is the layer's bool [] type flag and
+    `slices` the layer's slices of `per_layer` (leading axis L). `remat`: rematerialise each
+    layer in the backward pass. Returns `(x_BTD after the last layer, ys stacked over L)`."""
+    cfg = self.cfg
+    if remat:
+      layer_step = nnx.remat(layer_step, prevent_cse=False)
+    run_layers = nnx.scan(layer_step, in_axes=(nnx.Carry, 0, 0) + (0,) * len(per_layer),
+                          out_axes=(nnx.Carry, 0), unroll=1 if cfg.scan_layers else True)
+    b, t, _ = x_BTD.shape
+    r0_BTR = jnp.zeros((b, t, cfg.router_hidden_size), jnp.float32)
+    is_sliding_L = jnp.asarray(np.array([lt == "hybrid_sliding" for lt in cfg.layer_types]))
+    (x_BTD, _), ys = run_layers((x_BTD, r0_BTR), self.layers, is_sliding_L, *per_layer)
+    return x_BTD, ys
+
   def backbone(self, input_ids, segment_ids=None, positions=None, batch_balance=None):
     """Everything before the LM head: `(x_BTD, aux)`, the float32 residual after the last
     layer (before the final norm) and the aux dict of `__call__(..., return_aux=True)`, plus
@@ -117,7 +139,7 @@ class ZayaForCausalLM(nnx.Module):
     or with `batch_balance` (a `zaya_jax.model.quantile.BatchBalance`, for training) those
     solved from this batch's router probabilities.
     The training loss takes it to `head_inputs` and a fused LM head + cross-entropy
-    (`zaya_jax.train.step.linear_cross_entropy`), never building the `[B, T, V]` logits."""
+    (`zaya_jax.ops.cross_entropy.linear_cross_entropy`), never building the `[B, T, V]` logits."""
     cfg = self.cfg
     input_ids_BT, segment_ids_BT, positions_BT = input_ids, segment_ids, positions
     input_ids_BT = jnp.asarray(input_ids_BT, jnp.int32)
@@ -131,23 +153,19 @@ class ZayaForCausalLM(nnx.Module):
     if positions_BT is None:
       positions_BT = document_positions(segment_ids_BT)
 
-    # Step 1: embedding and input scaling; the residual stream is float32 from here on.
-    h_BTD = self.embed_tokens[...][input_ids_BT]
-    x_BTD = ((h_BTD + self.input_hidden_states_bias[...]) * self.input_hidden_states_scale[...]).astype(jnp.float32)
+    x_BTD = self.embed(input_ids_BT)
 
     # Per-layer-type RoPE tables and masks, selected inside the scan by a per-layer flag.
     # The Pallas attention kernel masks from the segment ids: no [B, T, S] masks then.
-    kernel_attention = kernels.uses_kernel(cfg, "attention")
+    kernel_attention = cfg.attention_impl == "pallas"
     cos_f, sin_f = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta)
     mask_f = None if kernel_attention else attention_mask(segment_ids_BT)
-    is_sliding_L = np.array([t == "hybrid_sliding" for t in cfg.layer_types])
-    if is_sliding_L.any():
+    if cfg.attention_window is not None:
       cos_s, sin_s = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta_sliding)
       mask_s = None if kernel_attention else attention_mask(segment_ids_BT, cfg.sliding_window)
     else:
       cos_s, sin_s, mask_s = cos_f, sin_f, mask_f
 
-    # Step 2: the layers. Layer 0 receives a zero router state, so EDA is a no-op there.
     def layer_step(carry, layer, sliding):
       x, r = carry
       pick = lambda s, f: None if f is None else jnp.where(sliding, s, f)
@@ -155,13 +173,7 @@ class ZayaForCausalLM(nnx.Module):
                           pick(mask_s, mask_f), sliding, batch_balance)
       return (x, r), stats
 
-    if cfg.remat:
-      layer_step = nnx.remat(layer_step, prevent_cse=False)
-    run_layers = nnx.scan(layer_step, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
-                          unroll=1 if cfg.scan_layers else True)
-    b, t, _ = x_BTD.shape
-    r0_BTR = jnp.zeros((b, t, cfg.router_hidden_size), jnp.float32)
-    (x_BTD, _), (counts_LX, dropped_L, router_L) = run_layers((x_BTD, r0_BTR), self.layers, jnp.asarray(is_sliding_L))
+    x_BTD, (counts_LX, dropped_L, router_L) = self.scan_layers(layer_step, x_BTD, remat=cfg.remat)
 
     return x_BTD, {"expert_counts": counts_LX, "dropped_tokens": dropped_L,
                    "router_entropy": router_L["entropy"],
@@ -214,12 +226,10 @@ class ZayaForCausalLM(nnx.Module):
       raise ValueError(f"input_ids has batch {b} but the cache was made for batch "
                        f"{cache['k'].shape[1]}; call init_cache(cfg, batch={b}, max_len=...)")
     start = cache["length"]
-    h_BTD = self.embed_tokens[...][input_ids_BT]
-    x_BTD = ((h_BTD + self.input_hidden_states_bias[...]) * self.input_hidden_states_scale[...]).astype(jnp.float32)
+    x_BTD = self.embed(input_ids_BT)
     positions_1T = (start + jnp.arange(t, dtype=jnp.int32))[None]
     cos_f, sin_f = rope_cos_sin(positions_1T, cfg.rotary_dim, cfg.rope_theta)
     cos_s, sin_s = rope_cos_sin(positions_1T, cfg.rotary_dim, cfg.rope_theta_sliding)
-    is_sliding_L = jnp.asarray([lt == "hybrid_sliding" for lt in cfg.layer_types])
 
     def layer_step(carry, layer, sliding, layer_cache):
       x, r = carry
@@ -227,11 +237,8 @@ class ZayaForCausalLM(nnx.Module):
                                        jnp.where(sliding, sin_s, sin_f), sliding)
       return (x, r), layer_cache
 
-    run_layers = nnx.scan(layer_step, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
-                          unroll=1 if cfg.scan_layers else True)
     layer_caches = {k: v for k, v in cache.items() if k != "length"}
-    r0_BTR = jnp.zeros((b, t, cfg.router_hidden_size), jnp.float32)
-    (x_BTD, _), layer_caches = run_layers((x_BTD, r0_BTR), self.layers, is_sliding_L, layer_caches)
+    x_BTD, layer_caches = self.scan_layers(layer_step, x_BTD, layer_caches)
 
     if last_only:
       x_BTD = x_BTD[:, -1:]

@@ -5,7 +5,8 @@
 Every strategy has the same two calls, run per shard inside the MoE's `shard_map` (or on one
 device):
 
-    rows_PD, group_sizes_e, meta = d.dispatch(x_MD, class_M)   # rows grouped by local expert
+    rows_PD, group_sizes_e, meta = d.dispatch(x_MD, class_M)   # rows grouped by local expert;
+                                                                 # meta: the strategy's *Meta
     y_PD = experts(rows_PD, group_sizes_e)                       # local grouped GEMM
     y_MD, dropped_M = d.combine(y_PD, meta)                      # back to token order
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,38 @@ def unsort(y_sorted: jax.Array, order_M: jax.Array) -> jax.Array:
   return jnp.zeros_like(y_sorted).at[order_M].set(y_sorted, unique_indices=True)
 
 
+class SortMeta(NamedTuple):
+  """`LocalDispatch` / `AllGatherDispatch` metadata: `order_M` int32 [P], the stable sort of the
+  (gathered) tokens by local expert that `combine` undoes."""
+
+  order_M: jax.Array
+
+
+class AllToAllMeta(NamedTuple):
+  """`AllToAllDispatch` metadata: each token's buffer slot int32 [M] (E*C = dropped), bool [M]
+  kept / dropped-by-capacity masks, and the static n (shards), e (local experts), c (capacity)."""
+
+  slot_M: jax.Array
+  kept_M: jax.Array
+  dropped_M: jax.Array
+  n: int
+  e: int
+  c: int
+
+
+class RaggedMeta(NamedTuple):
+  """`RaggedAllToAllDispatch` metadata: the sort of our tokens by expert (`order_M`) and of the
+  received rows by local expert (`order_P`), and the int32 [n] ragged exchange tables: rows
+  received from each shard, where each source keeps our results, rows sent, send offsets."""
+
+  order_M: jax.Array
+  order_P: jax.Array
+  recv_n: jax.Array
+  back_off_n: jax.Array
+  send_n: jax.Array
+  in_off_n: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalDispatch:
   """All experts on this shard: sort tokens by class; skip rows sort last (past the groups).
@@ -69,15 +102,15 @@ class LocalDispatch:
   num_experts: int
   sorted_by: tuple[jax.Array, jax.Array] | None = None
 
-  def dispatch(self, x_MD, class_M):
+  def dispatch(self, x_MD, class_M) -> tuple[jax.Array, jax.Array, SortMeta]:
     if self.sorted_by is None:
       order_M, counts_X = sort_by_key(class_M, self.num_experts + 1)
     else:
       order_M, counts_X = self.sorted_by
-    return x_MD[order_M], counts_X[: self.num_experts], order_M
+    return x_MD[order_M], counts_X[: self.num_experts], SortMeta(order_M)
 
-  def combine(self, y_PD, order_M):
-    return unsort(y_PD, order_M), jnp.zeros(y_PD.shape[:1], bool)
+  def combine(self, y_PD, meta: SortMeta) -> tuple[jax.Array, jax.Array]:
+    return unsort(y_PD, meta.order_M), jnp.zeros(y_PD.shape[:1], bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +129,10 @@ class AllGatherDispatch:
     local_M = jax.lax.all_gather(class_M, self.axis, tiled=True) - jax.lax.axis_index(self.axis) * e
     key_M = jnp.where((local_M >= 0) & (local_M < e), local_M, e)  # e = not mine (or skip)
     order_M, counts = sort_by_key(key_M, e + 1)
-    return x_all[order_M], counts[:e], order_M
+    return x_all[order_M], counts[:e], SortMeta(order_M)
 
-  def combine(self, y_PD, order_M):
-    y_all = unsort(y_PD, order_M)  # rows of other shards' experts are zero
+  def combine(self, y_PD, meta: SortMeta) -> tuple[jax.Array, jax.Array]:
+    y_all = unsort(y_PD, meta.order_M)  # rows of other shards' experts are zero
     y_MD = jax.lax.psum_scatter(y_all, self.axis, scatter_dimension=0, tiled=True)
     return y_MD, jnp.zeros(y_MD.shape[:1], bool)
 
@@ -117,7 +150,7 @@ class AllToAllDispatch:
   def capacity(self, tokens: int) -> int:
     return max(1, math.ceil(self.capacity_factor * tokens / self.num_experts))
 
-  def dispatch(self, x_MD, class_M):
+  def dispatch(self, x_MD, class_M) -> tuple[jax.Array, jax.Array, AllToAllMeta]:
     m, d = x_MD.shape
     n = jax.lax.axis_size(self.axis)
     e, c, big_e = self.num_experts // n, self.capacity(m), self.num_experts
@@ -131,11 +164,11 @@ class AllToAllDispatch:
     # Chunk k of the buffer (experts of shard k) goes to shard k; we receive [source, e, C, D].
     recv = jax.lax.all_to_all(buf, self.axis, 0, 0, tiled=True)
     rows = recv.reshape(n, e, c, d).transpose(1, 0, 2, 3).reshape(e * n * c, d)
-    meta = (slot_M, kept_M, routed_M & ~kept_M, (n, e, c))
+    meta = AllToAllMeta(slot_M, kept_M, routed_M & ~kept_M, n, e, c)
     return rows, jnp.full((e,), n * c, jnp.int32), meta
 
-  def combine(self, y_PD, meta):
-    slot_M, kept_M, dropped_M, (n, e, c) = meta
+  def combine(self, y_PD, meta: AllToAllMeta) -> tuple[jax.Array, jax.Array]:
+    slot_M, kept_M, dropped_M, n, e, c = meta
     d = y_PD.shape[-1]
     back = y_PD.reshape(e, n, c, d).transpose(1, 0, 2, 3).reshape(n * e * c, d)
     buf = jax.lax.all_to_all(back, self.axis, 0, 0, tiled=True)  # [E*C, D] in our slot layout
@@ -153,7 +186,7 @@ class RaggedAllToAllDispatch:
   num_experts: int
   axis: str = EXPERT
 
-  def dispatch(self, x_MD, class_M):
+  def dispatch(self, x_MD, class_M) -> tuple[jax.Array, jax.Array, RaggedMeta]:
     m, d = x_MD.shape
     n = jax.lax.axis_size(self.axis)
     me = jax.lax.axis_index(self.axis)
@@ -174,10 +207,10 @@ class RaggedAllToAllDispatch:
     key = jnp.where(bucket < n * e, bucket % e, e)
     order_P, counts = sort_by_key(key, e + 1)
     back_off_n = (jnp.cumsum(sizes_nn, axis=1) - sizes_nn)[:, me]  # where sources keep our rows
-    meta = (order_M, order_P, recv_n, back_off_n, send_n, in_off_n)
+    meta = RaggedMeta(order_M, order_P, recv_n, back_off_n, send_n, in_off_n)
     return recv[order_P], counts[:e], meta
 
-  def combine(self, y_PD, meta):
+  def combine(self, y_PD, meta: RaggedMeta) -> tuple[jax.Array, jax.Array]:
     order_M, order_P, recv_n, back_off_n, send_n, in_off_n = meta
     m = order_M.shape[0]
     y_recv = unsort(y_PD, order_P)
@@ -187,7 +220,10 @@ class RaggedAllToAllDispatch:
     return unsort(y_sorted, order_M), jnp.zeros((m,), bool)
 
 
-def make_dispatcher(name: str, num_experts: int, capacity_factor: float) -> Any:
+Dispatcher = LocalDispatch | AllGatherDispatch | AllToAllDispatch | RaggedAllToAllDispatch
+
+
+def make_dispatcher(name: str, num_experts: int, capacity_factor: float) -> Dispatcher:
   """The dispatcher for a resolved strategy name (see `resolve_dispatch`)."""
   if name == "local":
     return LocalDispatch(num_experts)

@@ -9,8 +9,8 @@ Mesh axes (`MESH_AXES`, in this order, all `AxisType.Auto`):
 | `expert`  | expert parallelism (EP)   | batch outside the MoE; experts inside it (tokens move by all-to-all) |
 
 Parameters carry logical axis names (zaya_jax/model/layers.py); `LOGICAL_RULES` resolves
-them. Activations use separate `act_*` names so params can shard on `embed` while
-activations shard on the batch.
+them. Activations shard on the batch axes (`BATCH_AXES`) directly, so params can shard on
+`embed` while activations shard on the batch.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ LOGICAL_RULES = (
     ("expert_mlp", None),  # F
     ("router", None), ("classes", None),  # the router is tiny: replicated
     ("layers", None),  # the scan axis L
-    ("act_batch", BATCH_AXES),  # B of activations and input batches
 )
 
 

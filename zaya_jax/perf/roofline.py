@@ -63,14 +63,14 @@ def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, dtype: str) -> di
   """Bytes per token of one layer's tensors kept for the backward pass (XLA path, no remat).
 
   Returns a dict by part; "attention" is the dense `[N, T, S]` float32 logits + probabilities
-  of `model/attention.py` unless `cfg.kernels` has "attention" (then a flash kernel keeps only
+  of `zaya_jax/ops/attention.py` unless `cfg.attention_impl` is "pallas" (then a flash kernel keeps only
   the float32 log-sum-exp per head).
   """
   c = DTYPE_BYTES[dtype]
   d, n, k, h, r, x, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                          cfg.router_hidden_size, cfg.num_router_classes, cfg.moe_intermediate_size)
   j, taps = n + k, cfg.cca_time0 + cfg.cca_time1 - 1
-  dense_attn = "attention" not in cfg.kernels
+  dense_attn = cfg.attention_impl != "pallas"
   return {
       "residual_f32": 2 * F32 * d,  # layer input and post-attention residual
       "norm_outputs": 2 * c * d,  # a (attention input), b (MoE input)

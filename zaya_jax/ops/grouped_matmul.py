@@ -1,21 +1,20 @@
 # Shape letters: M D F E (see zaya_jax/__init__.py); P = padded rows, n = row tiles, t = rows of one tile.
-"""The one place that picks an implementation per hot op (no global switches).
+"""The experts' grouped matmul on rows sorted by expert, one impl string per call.
 
-`grouped_matmul` (the experts' GEMM on rows sorted by expert):
 - `"ragged_dot"`: `jax.lax.ragged_dot`, the XLA grouped GEMM (GPU production path);
 - `"tiled"`: rows of each group are padded to a multiple of `tile` rows and multiplied tile by
-  tile with that tile's expert weight (one batched matmul). Same values; on XLA:CPU about 4x
-  faster than `ragged_dot`, whose CPU lowering costs as much as a dense all-experts product,
-  but the static tile count `M / tile + E` computes about twice the needed rows, and the
-  gathered per-tile weights `[n, D, F]` are saved for the backward pass;
+  tile with that tile's expert weight (one batched matmul). Same values; on XLA:CPU faster
+  than `ragged_dot`, whose CPU lowering costs as much as a dense all-experts product, but the
+  static tile count `M / tile + E` computes about twice the needed rows, and the gathered
+  per-tile weights `[n, D, F]` are saved for the backward pass;
 - `"looped"`: a loop over only the tiles the group sizes need (each group's rows in blocks of
   `tile`, read and written in place, the expert's weight sliced, nothing gathered), with a
-  `custom_vjp` whose backward pass forms dx and dw in one loop of the same tiles. Same values;
-  on XLA:CPU about 2x faster than `"tiled"` forward + backward (bench_cpu's experts). Single
-  device only for now: inside the expert-parallel `shard_map` its `while_loop` carry fails
-  JAX's varying-axes check, so it is opt-in (configs/bench_cpu.py sets it);
+  `custom_vjp` whose backward pass forms dx and dw in one loop of the same tiles. Same values.
+  Single device only for now: inside the expert-parallel `shard_map` its `while_loop` carry
+  fails JAX's varying-axes check, so it is opt-in (configs/bench_cpu.py sets it);
+- `"pallas"`: `pallas_kernels.gmm.gmm` (Triton lowering; interpret mode on CPU);
 - `"auto"`: `"tiled"` on CPU, `"ragged_dot"` elsewhere.
-The Pallas kernels of a later issue plug in here.
+Measured speed ratios between the impls are in README's "Pallas kernels and ops" section.
 """
 
 from __future__ import annotations
@@ -25,7 +24,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-GMM_IMPLS = ("auto", "ragged_dot", "tiled", "looped")
+from pallas_kernels.gmm import gmm
+from pallas_kernels.gmm.reference import swiglu_grouped
+
+IMPLS = ("auto", "ragged_dot", "tiled", "looped", "pallas")
 
 
 def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, impl: str = "auto",
@@ -36,7 +38,7 @@ def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
     x_MD: `[M, D]` rows sorted by group.
     w_EDF: `[E, D, F]` one matrix per group.
     group_sizes_E: int32 `[E]`, rows per group, `sum <= M`.
-    impl: one of GMM_IMPLS, or "pallas" (pallas_kernels.gmm; picked by zaya_jax.kernels).
+    impl: one of IMPLS.
     tile: rows per tile of the `"tiled"` and `"looped"` implementations.
   Returns:
     `[M, F]` in the dtype of the inputs.
@@ -51,10 +53,30 @@ def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
     return _tiled_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile)
   if impl == "looped":
     return _looped_grouped_matmul(x_MD, w_EDF, group_sizes_E, max(1, min(tile, x_MD.shape[0])))
-  if impl == "pallas":  # chosen by zaya_jax.kernels (ModelConfig.kernels), not by gmm_impl
-    from pallas_kernels.gmm import gmm  # pylint: disable=import-outside-toplevel
+  if impl == "pallas":
     return gmm(x_MD, w_EDF, group_sizes_E.astype(jnp.int32))
-  raise ValueError(f"grouped_matmul impl={impl!r}; must be one of {GMM_IMPLS} or 'pallas'")
+  raise ValueError(f"grouped_matmul impl={impl!r}; must be one of {IMPLS}")
+
+
+def swiglu_experts(x_MD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
+                   w_down_EFD: jax.Array, group_sizes_E: jax.Array, impl: str = "auto") -> jax.Array:
+  """Grouped SwiGLU on rows sorted by expert: `(silu(x Wg[e]) * (x Wu[e])) Wd[e]` per group
+  (`pallas_kernels.gmm.reference.swiglu_grouped` with `grouped_matmul(impl)`).
+
+  Args:
+    x_MD: `[M, D]` rows sorted by expert, cast to the weights' dtype.
+    w_gate_EDF, w_up_EDF: `[E, D, F]`; w_down_EFD: `[E, F, D]` (compute dtype).
+    group_sizes_E: int32 `[E]`; rows past `sum(group_sizes)` (e.g. skipped tokens sorted
+      last) give zeros.
+    impl: the `grouped_matmul` impl of the three products.
+  Returns:
+    `[M, D]` in the weights' dtype.
+  Raises:
+    ValueError: unknown `impl`.
+  Matches: HF `ZayaExperts` (`gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`).
+  """
+  return swiglu_grouped(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD,
+                        lambda a_MK, w_EKN: grouped_matmul(a_MK, w_EKN, group_sizes_E, impl))
 
 
 def _tiled_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile):
