@@ -12,6 +12,10 @@ Every test module imports from here, never from another test module.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -145,3 +149,51 @@ MODEL_OVERRIDES = [
     "--config.model.moe_intermediate_size=32",
     "--config.model.router_hidden_size=16",
 ]
+
+
+# --- the training CLI in a subprocess (tests/train/test_resume.py, test_fault_tolerance.py) ---
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI_EVERY = 3  # checkpoint interval of `CLI_TRAIN_OVERRIDES`, which runs 2 * CLI_EVERY steps
+CLI_TRAIN_OVERRIDES = [
+    *MODEL_OVERRIDES,
+    "--config.train.seq_len=32",
+    "--config.train.batch_size=2",
+    f"--config.train.num_steps={2 * CLI_EVERY}",
+    "--config.train.warmup_steps=1",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=0",
+    "--config.train.eval_batches=1",
+    f"--config.checkpoint.every_steps={CLI_EVERY}",
+]
+
+
+def launch_train(workdir, cache_dir, *extra) -> subprocess.Popen:
+  """Starts `python -m launch.train` on the tiny config with `CLI_TRAIN_OVERRIDES` and then
+  `extra` flags (later flags win), stdout and stderr together in one text pipe; the JAX
+  compilation cache in `cache_dir` (shared by a module's runs, so later ones skip compiles)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
+         f"--workdir={workdir}", *CLI_TRAIN_OVERRIDES, *extra]
+  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def finish_run(proc: subprocess.Popen, timeout: float = 240) -> str:
+  """Waits for a `launch_train` process; returns its output.
+
+  Raises:
+    AssertionError: it exited non-zero (with the output's tail).
+    subprocess.TimeoutExpired: it ran over `timeout` seconds.
+  """
+  out, _ = proc.communicate(timeout=timeout)
+  assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def run_records(workdir, kind: str = "train") -> dict[int, dict]:
+  """`{step: record}` of `workdir/metrics.jsonl` records of `kind` (a rerun step's last wins)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r for r in rows if r["kind"] == kind}

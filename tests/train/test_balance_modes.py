@@ -2,6 +2,7 @@
 the quantile solve balances the batch it was computed from exactly, handles ties and empty
 layers; both modes balance a skewed synthetic router; the AdamW rule matches optax."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,9 +14,15 @@ import numpy as np
 import optax
 import pytest
 
-from zaya_jax.config import BalanceConfig, ConfigError
-from zaya_jax.train import balance as B
+from tests.helpers import random_batch, tiny_model_config
+from zaya_jax.config import BalanceConfig, ConfigError, TrainConfig
+from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.model.quantile import class_targets, quantile_biases, route_counts
+from zaya_jax.parallel.mesh import make_mesh, use_mesh
+from zaya_jax.train import balance as B
+from zaya_jax.train.loop import global_batch
+from zaya_jax.train.setup import setup_training
+from zaya_jax.train.state import init_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 L, E, F, N = 2, 8, 16, 4096  # layers, experts, token features, tokens per step
@@ -181,20 +188,52 @@ def test_config_rejects_bad_mode_settings():
     BalanceConfig(adamw_eps=0.0)
 
 
-@pytest.fixture(scope="module")
-def mesh_runs():
-  """tests/train/balance_mesh_check.py for three modes, in one subprocess with 8 CPU devices."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-  out = subprocess.run([sys.executable, "-m", "tests.train.balance_mesh_check", "quantile",
-                        "adamw", "quantile_current"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-4000:]
-  return json.loads(out.stdout.strip().splitlines()[-1])
+# Balancing on meshes (multidevice: 8 fake CPU devices). For each mode ("quantile_current":
+# quantile with `quantile_apply="current"`), a tiny model trains `MESH_STEPS` steps on one
+# device, on meshes (data, fsdp, expert) = (1, 1, 8) and (2, 1, 4), and on one device with
+# `train.grad_accum_steps=2`, on the same batches, with the step training compiles
+# (`setup_training`); the per-step routing counts and biases are compared with one device's.
+MESH_STEPS = 3
+MESH_LAYOUTS = {"1 device": (MeshConfig(1, 1, 1), 1, 1), "(1,1,8)": (MeshConfig(1, 1, 8), 8, 1),
+                "(2,1,4)": (MeshConfig(2, 1, 4), 8, 1),
+                "1 device, accum 2": (MeshConfig(1, 1, 1), 1, 2)}
+
+
+def mesh_batches() -> list[dict[str, np.ndarray]]:
+  """`MESH_STEPS` numpy batches of 8 x 16 tokens with documents and padding."""
+  rng = np.random.default_rng(0)
+  out = []
+  for _ in range(MESH_STEPS):
+    parts = [random_batch(rng, b=2, t=16) for _ in range(4)]
+    out.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+  return out
+
+
+def train_on_layout(mode: str, mesh_cfg: MeshConfig, devices: int, accum: int) -> dict:
+  """`{"counts": [steps, L, X] routed non-padding tokens, "biases": [steps, L, X] after each
+  update}` (numpy float) of `MESH_STEPS` training steps of balancing `mode`."""
+  model_cfg = dataclasses.replace(tiny_model_config(), num_experts=8)
+  train_cfg = TrainConfig(num_steps=10, warmup_steps=1, lr=3e-2, batch_size=8, seq_len=16,
+                          grad_accum_steps=accum)
+  apply = "current" if mode == "quantile_current" else "next"
+  balance = BalanceConfig(mode=mode.removesuffix("_current"), adamw_lr=3e-2, quantile_apply=apply)
+  mesh = make_mesh(mesh_cfg, jax.devices()[:devices])
+  with use_mesh(mesh):
+    built = setup_training(model_cfg, train_cfg, mesh, balance)
+    state = init_train_state(model_cfg, built.tx, train_cfg.seed, mesh)
+    counts, biases = [], []
+    for batch in mesh_batches():
+      tokens = float((batch["segment_ids"] > 0).sum())
+      state, m = built.step(state, global_batch(batch, built.data_sharding))
+      counts.append(np.rint(np.asarray(m["expert_load"]) * tokens))
+      biases.append(np.asarray(B.get_biases(state.model_state)))
+  return {"counts": np.stack(counts), "biases": np.stack(biases)}
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 @pytest.mark.parametrize("mode", ["quantile", "adamw", "quantile_current"])
-def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(mesh_runs, mode):
+def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(fast_compile, mode):
   """Routing counts every step equal exactly on 1 device, meshes (1,1,8) and (2,1,4) and
   with 2 micro-batches. "adamw" biases depend on the counts only: equal bit for bit.
   "quantile" biases are midpoints between two tokens' margins, and the router
@@ -203,7 +242,8 @@ def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(mesh_runs,
   little more: equal to 1e-5 (observed <= 2.3e-6 after 3 steps).
   "quantile_current" solves each micro-batch for itself, so with 2 micro-batches its counts
   are the sum of two even splits of 52 tokens (6 or 7 per expert, +-1 each): within 4."""
-  runs = dict(mesh_runs[mode])
+  del fast_compile
+  runs = {name: train_on_layout(mode, *layout) for name, layout in MESH_LAYOUTS.items()}
   ref = runs["1 device"]
   assert len(np.unique(np.asarray(ref["counts"])[-1, 0])) > 2  # several classes chosen
   if mode == "quantile_current":

@@ -76,6 +76,7 @@ def test_batch_must_split_over_processes():
     resolve(zaya1_tiny.get_config(), process_count=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,message", [
     ("--config.train.lrr=1e-3", "lrr"),  # typo: rejected by the locked ConfigDict
     ("--config.model.vocab_size=200", "model.vocab_size=200 < tokenizer vocab 259"),

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from zaya_jax.train.fault import StopSignals, Watchdog
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,6 +35,7 @@ def test_first_ctrl_c_makes_the_second_one_the_default_action():
   assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.slow
 def test_watchdog_dumps_stacks_and_exits_when_a_region_hangs():
   script = textwrap.dedent("""
       import time

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from tests.train.test_resume import REPO, launch, finish, records
+from tests.helpers import REPO, finish_run, launch_train, run_records
 
 NUM_STEPS = 16
 EVERY = 4  # checkpoint interval
@@ -42,7 +42,7 @@ CONFIG = [  # steps of ~0.2 s, so that a signal lands mid-run
 
 def train(workdir, cache, *extra):
   """Starts the tiny training run (the resume test's overrides + CONFIG + `extra`)."""
-  return launch(workdir, cache, *CONFIG, *extra)
+  return launch_train(workdir, cache, *CONFIG, *extra)
 
 
 def wait_for_step(proc, workdir, step, timeout=240):
@@ -61,7 +61,7 @@ def wait_for_step(proc, workdir, step, timeout=240):
 
 
 def assert_same_losses(workdir, reference, steps):
-  got = records(workdir)
+  got = run_records(workdir)
   for s in steps:
     assert got[s]["loss"] == reference[s]["loss"], (s, got[s]["loss"], reference[s]["loss"])
 
@@ -75,12 +75,13 @@ def cache(tmp_path_factory):
 def reference(tmp_path_factory, cache):
   """(workdir, per-step train records) of the uninterrupted run."""
   workdir = tmp_path_factory.mktemp("reference")
-  finish(train(workdir, cache))
-  rows = records(workdir)
+  finish_run(train(workdir, cache))
+  rows = run_records(workdir)
   assert sorted(rows) == list(range(1, NUM_STEPS + 1))
   return workdir, rows
 
 
+@pytest.mark.slow
 def test_kill9_at_random_step_then_resume(tmp_path, cache, reference):
   # After the second checkpoint interval, so that at least one (asynchronous) save is surely
   # committed by then; a kill at any step is equally valid, but then this tests nothing more.
@@ -90,7 +91,7 @@ def test_kill9_at_random_step_then_resume(tmp_path, cache, reference):
   os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
   assert proc.returncode == -signal.SIGKILL
-  out = finish(train(tmp_path, cache))
+  out = finish_run(train(tmp_path, cache))
   resumed = re.search(r"(Resuming|Starting) at step (\d+)/", out)
   assert resumed and resumed[1] == "Resuming", out[-3000:]
   resumed = int(resumed[2])
@@ -98,19 +99,21 @@ def test_kill9_at_random_step_then_resume(tmp_path, cache, reference):
   assert_same_losses(tmp_path, reference[1], range(1, NUM_STEPS + 1))
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_zero(tmp_path, cache, reference):
   proc = train(tmp_path, cache)
   wait_for_step(proc, tmp_path, EVERY + 1)
   proc.send_signal(signal.SIGTERM)
-  out = finish(proc)  # exit status 0
+  out = finish_run(proc)  # exit status 0
   stopped = int(out.split("Stopped by SIGTERM at step ")[1].split("/")[0])
   assert stopped < NUM_STEPS
   assert os.path.isdir(os.path.join(tmp_path, "checkpoints", str(stopped)))
-  out = finish(train(tmp_path, cache))
+  out = finish_run(train(tmp_path, cache))
   assert f"Resuming at step {stopped}/" in out
   assert_same_losses(tmp_path, reference[1], range(1, NUM_STEPS + 1))
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, cache, reference):
   workdir = tmp_path / "run"
   shutil.copytree(reference[0], workdir)
@@ -120,7 +123,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, cache, refer
   biggest = max(data_files, key=os.path.getsize)
   with open(biggest, "r+b") as f:  # a write cut short: the file loses its second half
     f.truncate(os.path.getsize(biggest) // 2)
-  out = finish(train(workdir, cache))
+  out = finish_run(train(workdir, cache))
   previous = NUM_STEPS - EVERY
   assert f"Resuming at step {previous}/" in out, out[-3000:]
   assert str(NUM_STEPS) in out and "corrupt" in out.lower()
@@ -130,13 +133,14 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, cache, refer
   assert os.path.isdir(latest)  # step NUM_STEPS written again
 
 
+@pytest.mark.slow
 def test_nan_steps_are_skipped_then_rolled_back(tmp_path, cache, reference):
   # Step 3 alone is skipped; steps 9 and 10 in a row reach max_consecutive_skips=2, so the run
   # restores checkpoint 8 and trains steps 9.. again on the batches after the bad ones.
-  out = finish(train(tmp_path, cache, "--config.train.inject_nan_at_steps=(3,9,10)",
+  out = finish_run(train(tmp_path, cache, "--config.train.inject_nan_at_steps=(3,9,10)",
                      "--config.train.max_consecutive_skips=2"))
   assert "restoring checkpoint 8" in out, out[-3000:]
-  rows = records(tmp_path)
+  rows = run_records(tmp_path)
   assert sorted(rows) == list(range(1, NUM_STEPS + 1))
   assert math.isnan(rows[3]["loss"]) and rows[3]["skipped_steps"] == 1
   assert_same_losses(tmp_path, reference[1], [1, 2])
@@ -176,7 +180,7 @@ def test_ctrl_c_during_the_first_compile(tmp_path):
   once, without a checkpoint or a crash (issue 14: 46 s, then a segfault). Fresh compilation
   caches, so that the signals land in the compilation; both runs at once."""
   once, twice = tmp_path / "once", tmp_path / "twice"
-  procs = [launch(once, tmp_path / "cache_once"), launch(twice, tmp_path / "cache_twice")]
+  procs = [launch_train(once, tmp_path / "cache_once"), launch_train(twice, tmp_path / "cache_twice")]
   try:
     heads = [read_until(p, "Starting at step 0/") for p in procs]
     procs[0].send_signal(signal.SIGINT)
@@ -186,7 +190,7 @@ def test_ctrl_c_during_the_first_compile(tmp_path):
     start = time.monotonic()
     out_twice = heads[1] + procs[1].communicate(timeout=60)[0]
     aborted_after = time.monotonic() - start
-    out_once = heads[0] + finish(procs[0])
+    out_once = heads[0] + finish_run(procs[0])
   finally:
     for p in procs:
       if p.poll() is None:
@@ -212,7 +216,7 @@ def test_bad_record_mid_run_checkpoints_the_last_step(tmp_path, cache):
   corpus.write_text(text)
   args = [f"--config.data.source={corpus}", "--config.train.eval_batches=0",
           "--config.train.num_steps=300", "--config.checkpoint.every_steps=1000"]
-  proc = launch(tmp_path / "run", cache, *args)
+  proc = launch_train(tmp_path / "run", cache, *args)
   wait_for_step(proc, tmp_path / "run", 2)
   corpus.write_text("")
   out, _ = proc.communicate(timeout=240)
@@ -225,9 +229,9 @@ def test_bad_record_mid_run_checkpoints_the_last_step(tmp_path, cache):
   last = int(m[2])
   assert int(m[1]) == last + 1 and last >= 2
   assert step_dirs(tmp_path / "run") == [str(last)]
-  assert max(records(tmp_path / "run")) == last
+  assert max(run_records(tmp_path / "run")) == last
   corpus.write_text(text)
-  out = finish(launch(tmp_path / "run", cache, *args, "--config.train.max_steps_per_run=1"))
+  out = finish_run(launch_train(tmp_path / "run", cache, *args, "--config.train.max_steps_per_run=1"))
   assert f"Resuming at step {last}/300" in out, out[-3000:]
 
 

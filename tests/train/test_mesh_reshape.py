@@ -39,8 +39,8 @@ device; parameters and moments at 2N within 1.7e-6 of each leaf's largest value.
 
 Every subprocess compiles its mesh's train step (the reference reads the first run's from a
 shared persistent compilation cache); they run with XLA's LLVM optimisations off
-(JAX_DISABLE_MOST_OPTIMIZATIONS, as tests/parallel/ep_check.py), which halves compile time,
-and the four resumes run in parallel.
+(JAX_DISABLE_MOST_OPTIMIZATIONS, as the `fast_compile` fixture of tests/conftest.py), which
+halves compile time, and the four resumes run in parallel.
 """
 
 import json

@@ -170,6 +170,7 @@ def test_plot_errors(tmp_path):
     plot.make_plots(str(tmp_path), window=0)
 
 
+@pytest.mark.slow
 def test_plot_cli(tmp_path):
   write_metrics(str(tmp_path), [train_record(s) for s in (1, 2)])
   out = tmp_path / "pngs"

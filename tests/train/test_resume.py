@@ -5,52 +5,13 @@ fixed seeds: the losses must be bit-identical. The subprocesses share a persiste
 compilation cache so the later ones skip most compilation.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import MODEL_OVERRIDES
+from tests.helpers import CLI_EVERY, finish_run, launch_train, run_records
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-N = 3  # steps before the interruption
-
-OVERRIDES = [
-    *MODEL_OVERRIDES,
-    "--config.train.seq_len=32",
-    "--config.train.batch_size=2",
-    f"--config.train.num_steps={2 * N}",
-    "--config.train.warmup_steps=1",
-    "--config.train.log_every=1",
-    "--config.train.eval_every=0",
-    "--config.train.eval_batches=1",
-    f"--config.checkpoint.every_steps={N}",
-]
-
-
-def launch(workdir, cache_dir, *extra):
-  """Starts `python -m launch.train` on the tiny config; returns the Popen."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-  cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
-         f"--workdir={workdir}", *OVERRIDES, *extra]
-  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc, timeout=240):
-  out, _ = proc.communicate(timeout=timeout)
-  assert proc.returncode == 0, out[-4000:]
-  return out
-
-
-def records(workdir, kind="train"):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  return {r["step"]: r for r in rows if r["kind"] == kind}  # a rerun step's last record wins
+N = CLI_EVERY  # steps before the interruption
 
 
 @pytest.fixture(scope="module")
@@ -67,26 +28,26 @@ def test_resume_matches_straight_run(tmp_path, cache, mode):
   restored moments and count; for "quantile" on the restored biases (the solve's warm start)."""
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   mode_flag = f"--config.balance.mode={mode}"
-  finish(launch(straight, cache, mode_flag))  # compiles; the later runs read the cache
-  finish(launch(resumed, cache, mode_flag, f"--config.train.max_steps_per_run={N}"))
-  assert sorted(records(resumed)) == list(range(1, N + 1))
+  finish_run(launch_train(straight, cache, mode_flag))  # compiles; the later runs read the cache
+  finish_run(launch_train(resumed, cache, mode_flag, f"--config.train.max_steps_per_run={N}"))
+  assert sorted(run_records(resumed)) == list(range(1, N + 1))
   assert sorted(os.listdir(resumed / "checkpoints")) == [str(N)]
 
-  out = finish(launch(resumed, cache, mode_flag))
+  out = finish_run(launch_train(resumed, cache, mode_flag))
   assert f"Resuming at step {N}/{2 * N}" in out, out[-4000:]
 
-  a, b = records(straight), records(resumed)
+  a, b = run_records(straight), run_records(resumed)
   assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
   assert a[N + 1]["balance/biases"] != a[N]["balance/biases"]  # the biases move every step
   for step in a:
     for key in ("loss", "grad_norm", "lr", "expert_load", "balance/biases"):
       assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
-  assert records(straight, "eval")[2 * N]["loss"] == records(resumed, "eval")[2 * N]["loss"]
+  assert run_records(straight, "eval")[2 * N]["loss"] == run_records(resumed, "eval")[2 * N]["loss"]
 
   # Rerunning a finished run trains nothing more and keeps the checkpoints.
-  out = finish(launch(resumed, cache, mode_flag))
+  out = finish_run(launch_train(resumed, cache, mode_flag))
   assert f"Resuming at step {2 * N}/{2 * N}" in out
-  assert len(records(resumed)) == 2 * N
+  assert len(run_records(resumed)) == 2 * N
 
 
 @pytest.mark.slow
@@ -97,16 +58,16 @@ def test_resume_refuses_another_model_and_follows_run_shape_changes(tmp_path, ca
   in tests/data), and a worker-count change restarts the data order, with a warning."""
   workdir = tmp_path / "run"
   once = ["--config.train.max_steps_per_run=1", "--config.checkpoint.every_steps=1"]
-  finish(launch(workdir, cache, *once))
-  proc = launch(workdir, cache, "--config.model.hidden_size=64")
+  finish_run(launch_train(workdir, cache, *once))
+  proc = launch_train(workdir, cache, "--config.model.hidden_size=64")
   out, _ = proc.communicate(timeout=240)
   assert proc.returncode != 0
   assert "model.hidden_size: 32 -> 64" in out, out[-4000:]
 
-  out = finish(launch(workdir, cache, *once, "--config.train.seq_len=64"))
+  out = finish_run(launch_train(workdir, cache, *once, "--config.train.seq_len=64"))
   assert "Resuming at step 1/" in out, out[-4000:]
   assert "train.seq_len 32 -> 64; the data position is carried over to the same token" in out
-  out = finish(launch(workdir, cache, *once, "--config.train.seq_len=64",
+  out = finish_run(launch_train(workdir, cache, *once, "--config.train.seq_len=64",
                       "--config.data.num_workers=2"))
   assert "Resuming at step 2/" in out, out[-4000:]
   assert ("data.num_workers changed 0 -> 2 (each worker count reads the documents in its own "
