@@ -43,7 +43,7 @@ from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.moe import MoE
 from zaya_jax.parallel.dispatch import resolve_dispatch
 from zaya_jax.parallel.mesh import batch_sharding, check_divisibility, make_mesh, state_shardings
-from zaya_jax.train.step import linear_cross_entropy
+from zaya_jax.ops.cross_entropy import linear_cross_entropy
 
 RTOL = 1e-5
 NUM_DEVICES = 8
@@ -61,8 +61,8 @@ CFG0 = ModelConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, nu
 VARIANTS = {
     "base": {}, "zero_skip": {"skip_mode": "zero"}, "balanced": {"force_balanced_routing": True},
     "ragged_emulated": {},
-    # Pallas kernels (interpret mode) run per batch shard inside shard_map (zaya_jax/kernels.py)
-    "kernels": {"kernels": ("routing", "gmm", "attention")},
+    # Pallas kernels (interpret mode) run per batch shard inside shard_map (zaya_jax/ops/sharding.py)
+    "kernels": {"attention_impl": "pallas", "routing_impl": "pallas", "gmm_impl": "pallas"},
 }
 # (variant, [(mesh, dispatch)], edge cases): every (variant, dispatch) is one compile.
 PARITY_RUNS = (
