@@ -28,8 +28,15 @@ def test_block_attention_equals_full(blocks, window):
   val = jax.random.normal(kv, (b, t, k, h))
   cot = jax.random.normal(kc, (b, t, n, h))
   mask = attention_mask(segments(t), window)
-  ref, ref_vjp = jax.vjp(lambda *a: dot_product_attention(*a, mask, 0.3), q, key, val)
-  got, got_vjp = jax.vjp(lambda *a: causal_block_attention(*a, mask, 0.3, blocks=blocks), q, key, val)
+
+  @jax.jit  # one program per case (eagerly, blocks=23 dispatches hundreds of tiny ops)
+  def values_and_grads(q, key, val, cot):
+    ref, ref_vjp = jax.vjp(lambda *a: dot_product_attention(*a, mask, 0.3), q, key, val)
+    got, got_vjp = jax.vjp(lambda *a: causal_block_attention(*a, mask, 0.3, blocks=blocks),
+                           q, key, val)
+    return got, ref, got_vjp(cot), ref_vjp(cot)
+
+  got, ref, got_grads, ref_grads = values_and_grads(q, key, val, cot)
   np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
-  for g, r in zip(got_vjp(cot), ref_vjp(cot)):
+  for g, r in zip(got_grads, ref_grads):
     np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
