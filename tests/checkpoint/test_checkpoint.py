@@ -229,6 +229,7 @@ def test_orbax_refuses_fewer_experts_and_extra_tensors(tiny, saved):
   manager.close()
 
 
+@pytest.mark.slow
 def test_killed_mid_save_keeps_previous_step(tiny, tmp_path):
   directory = tmp_path / "killed"
   proc = subprocess.run([sys.executable, "-m", "tests.checkpoint.kill_mid_save", str(directory)],

@@ -89,6 +89,7 @@ def test_checksums_do_not_depend_on_placement():
   assert host == device == sharded
 
 
+@pytest.mark.slow
 def test_checksums_same_on_8_devices_and_across_meshes(tmp_path):
   out = tmp_path / "sharded.json"
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",

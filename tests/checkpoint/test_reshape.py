@@ -147,6 +147,7 @@ def test_refusals(saved, tmp_path):
     reshape.summarize(saved.directory, step=7)
 
 
+@pytest.mark.slow
 def test_cli_prints_summary_then_refuses_existing_dst(saved, tmp_path):
   dst = tmp_path / "taken"
   shutil.copytree(saved.directory, dst / "checkpoints")

@@ -105,6 +105,7 @@ def test_cached_generate_matches_transformers_generate(models):
                                                    pad_token_id=0))
 
 
+@pytest.mark.slow
 def test_generate_cli_on_a_run_and_an_hf_dir(tmp_path):
   """launch.generate on a workdir (step 0 imported by launch.convert_from_hf) and on the HF
   directory itself: same greedy text, a speed line; bad paths exit with one line."""

@@ -40,6 +40,7 @@ def check_figures(r):
   assert math.isfinite(r["loss"])
 
 
+@pytest.mark.slow
 def test_cli_smoke(tmp_path):
   out = tmp_path / "bench.json"
   proc = run_cli(*TINY, f"--out={out}")
@@ -74,6 +75,7 @@ def test_cli_compare_transformers(tmp_path):
     (["--stepz=3"], "stepz"),
     (["--config.model.hidden_sizee=3"], "hidden_sizee"),
 ])
+@pytest.mark.slow
 def test_bad_flag_exits_nonzero(args, flag):
   proc = run_cli("--config=configs/zaya1_tiny.py", *args, timeout=120)
   assert proc.returncode != 0

@@ -197,6 +197,7 @@ def read_csv(path):
     return reader.fieldnames, list(reader)
 
 
+@pytest.mark.slow
 def test_cli_writes_csv_and_png(tmp_path):
   proc = cli(f"--out={tmp_path}", "--num_devices=2,8", *TINY)
   assert proc.returncode == 0, proc.stderr[-6000:]
@@ -219,6 +220,7 @@ def test_cli_writes_csv_and_png(tmp_path):
     (["--collectives=all_reduce,allgather"], "--collectives"),
     (["--num_devices=3"], "--num_devices=3"),
 ])
+@pytest.mark.slow
 def test_bad_flags_exit_naming_the_flag(tmp_path, args, flag):
   """One flag checked before the backend starts, one after (the rest: `test_validate_*`)."""
   proc = cli(f"--out={tmp_path}", *args)
@@ -234,6 +236,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes(tmp_path):
   """2 processes x 4 devices: groups of 2 (one device per process) and 8; process 0 writes."""
   address = f"127.0.0.1:{free_port()}"

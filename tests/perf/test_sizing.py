@@ -227,6 +227,7 @@ def _cli(*args):
                         text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_tiny_and_bad_flags():
   out = _cli("--config=configs/zaya1_tiny.py", "--num_devices=8", "--batch_size=8", "--seq_len=256")
   assert out.returncode == 0, out.stderr
@@ -237,6 +238,7 @@ def test_cli_tiny_and_bad_flags():
   assert bad.returncode != 0 and "tpu9" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_gemm_table_replaces_roofline_gemm_times(tmp_path):
   """With a measured table of a flat 1 TFLOP/s, every GEMM's time in the report is its
   forward + backward FLOPs / 1e12 (3x forward), not the profile's roofline; a missing table
