@@ -4,7 +4,7 @@
   (float32 and int32 as 32-bit words, bfloat16 as 16-bit words, bool widened; per-expert
   sums over each [l, e] slice with weights from the position inside the slice);
 - the same values on one device, under four 8-device shardings, and after an Orbax save on
-  one mesh and restore on another (`sharded_check.py` in a fresh 8-device process);
+  one mesh and restore on another (`multidevice` tests: the second pytest run, 8 devices);
 - one flipped bit in one expert of one layer is reported as exactly that (layer, expert);
   a tensor with fewer experts, a missing and an extra tensor are each named;
 - a bfloat16-saved tensor restored as float32 verifies (exact cast back), a float32 tensor
@@ -13,23 +13,18 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.checkpoint.conftest import IGNORE_ABANDONED_READS
-from tests.checkpoint.sharded_check import example_tree
 from zaya_jax.checkpoint import integrity
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERT_TENSOR = "layers.mlp.experts.w_up.value"
 pytestmark = IGNORE_ABANDONED_READS  # GC of other modules' failed reads
 
@@ -89,20 +84,64 @@ def test_checksums_do_not_depend_on_placement():
   assert host == device == sharded
 
 
-@pytest.mark.slow
-def test_checksums_same_on_8_devices_and_across_meshes(tmp_path):
-  out = tmp_path / "sharded.json"
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
-  proc = subprocess.run([sys.executable, "-m", "tests.checkpoint.sharded_check", str(out)],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
-  results = json.loads(out.read_text())
-  want = integrity.checksum_tree(example_tree())  # this process: one device
-  assert len(results) == 6
-  for case, record in results.items():
-    assert record == want, f"{case}: {record}"
+def example_tree():
+  """numpy arrays: an expert tensor [L=2, E=8, 16, 8] f32, a bf16 matrix, an int32 scalar."""
+  rng = np.random.default_rng(0)
+  return {
+      "layers": {"experts": {"w": rng.normal(size=(2, 8, 16, 8)).astype(np.float32)}},
+      "embed": rng.normal(size=(64, 32)).astype(ml_dtypes.bfloat16),
+      "count": np.int32(12345),
+  }
+
+
+# (mesh shape, axis names, spec of the expert tensor, spec of the matrix) on 8 devices.
+LAYOUTS = {
+    "experts_over_8": ((8,), ("x",), P(None, "x"), P("x")),
+    "experts_4_by_features_2": ((4, 2), ("e", "f"), P(None, "e", "f"), P("f", "e")),
+    "layers_2_experts_4": ((2, 4), ("l", "e"), P("l", "e"), P(None, "e")),
+    "replicated_8": ((8,), ("x",), P(), P()),
+}
+
+
+def place(tree, layout: str):
+  """`tree` on the 8 devices with the shardings of `LAYOUTS[layout]`."""
+  shape, names, spec_w, spec_m = LAYOUTS[layout]
+  mesh = jax.make_mesh(shape, names, devices=jax.devices()[:8])
+  return {
+      "layers": {"experts": {"w": jax.device_put(tree["layers"]["experts"]["w"],
+                                                 NamedSharding(mesh, spec_w))}},
+      "embed": jax.device_put(tree["embed"], NamedSharding(mesh, spec_m)),
+      "count": jax.device_put(tree["count"], NamedSharding(mesh, P())),
+  }
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_checksums_same_on_8_devices(layout):
+  """The record of a tree sharded over 8 devices equals the host numpy tree's."""
+  tree = example_tree()
+  want = integrity.checksum_tree(tree)
+  assert integrity.checksum_tree(jax.device_put(tree, jax.devices()[0])) == want
+  assert integrity.checksum_tree(place(tree, layout)) == want
+
+
+@pytest.mark.multidevice
+def test_checksums_survive_orbax_save_on_one_mesh_and_restore_on_another(tmp_path):
+  tree = example_tree()
+  placed = place(tree, "experts_over_8")
+  record = integrity.checksum_tree(placed)
+  assert record == integrity.checksum_tree(tree)
+  with ocp.CheckpointManager(tmp_path) as manager:
+    manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(placed)))
+    manager.wait_until_finished()
+  other = place(tree, "layers_2_experts_4")
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        other)
+  with ocp.CheckpointManager(tmp_path) as manager:
+    restored = manager.restore(1, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target))).state
+  assert restored["layers"]["experts"]["w"].sharding == other["layers"]["experts"]["w"].sharding
+  integrity.verify_tree("state", restored, record, str(tmp_path))
 
 
 def flip_bit(x: np.ndarray, index: tuple[int, ...], bit: int) -> np.ndarray:
