@@ -1,10 +1,9 @@
 """Collective micro-benchmarks: nccl-tests formulas, the correctness check, the CLI.
 
 Multi-device checks need 8 fake CPU devices, which JAX only gives a process that asks before
-its backend starts (pytest's has started already), so they run in subprocesses:
-`device_checks` (this module, via `python -c`) reports JSON; the CLI runs as
-`python -m launch.bench_collectives`, once on 8 devices and once as 2 processes x 4 devices
-over a coordinator on 127.0.0.1.
+its backend starts: `device_checks` runs in the second pytest run (`multidevice`, 8 devices);
+the CLI runs as `python -m launch.bench_collectives`, once on 8 devices and once as
+2 processes x 4 devices over a coordinator on 127.0.0.1.
 
 Covered: busbw / algbw factors and GB/s values; size conventions and rounding; the numpy
 reference (all-gather / all-to-all chunk order, reduce-scatter = chunk of all-reduce); exact
@@ -18,7 +17,6 @@ writes.
 from __future__ import annotations
 
 import csv
-import json
 import os
 import socket
 import subprocess
@@ -128,12 +126,12 @@ def test_wrong_rows_are_reported():
 
 
 # --------------------------------------------------------------------------------------------
-# On 8 fake CPU devices (subprocess).
+# On 8 fake CPU devices (`multidevice`: the second pytest run).
 # --------------------------------------------------------------------------------------------
 
 
-def device_checks() -> None:
-  """Run in a subprocess with 8 fake devices; prints one JSON object {case: [correct, err]}."""
+def device_checks() -> dict[str, list]:
+  """On 8 devices: `{case: [correct, max |err|, lowering, group size]}`."""
   assert jax.device_count() == 8, jax.devices()
   out = {}
 
@@ -157,18 +155,15 @@ def device_checks() -> None:
   }
   for collective, op in wrong.items():
     run(f"{collective}/wrong", collective, cube, op=op)
-  print(json.dumps(out))
+  return out
 
 
 @pytest.fixture(scope="module")
 def checks():
-  code = "from tests.perf.test_collectives import device_checks; device_checks()"
-  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(8), capture_output=True,
-                        text=True, timeout=TIMEOUT_S)
-  assert proc.returncode == 0, proc.stderr[-6000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return device_checks()
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("collective", nccl.COLLECTIVES)
 def test_collectives_are_correct(checks, collective):
   for where, n in (("row", 8), ("cube", 4)):
@@ -180,6 +175,7 @@ def test_collectives_are_correct(checks, collective):
     assert lowering == want, (collective, lowering)
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("collective", nccl.COLLECTIVES)
 def test_wrong_results_are_flagged(checks, collective):
   correct, err, _, _ = checks[f"{collective}/wrong"]
