@@ -31,6 +31,7 @@ from zaya_jax.model.experts import Experts
 from zaya_jax.model.router import Router
 from zaya_jax.ops.grouped_matmul import swiglu_experts
 from zaya_jax.ops.route import RouteResult
+from zaya_jax.ops.sharding import single_device
 from zaya_jax.parallel.dispatch import LocalDispatch, make_dispatcher, resolve_dispatch
 
 
@@ -87,13 +88,13 @@ class MoE(nnx.Module):
     which the single-shard dispatch then uses instead of sorting.
     """
     weights = self.experts.weights()
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    if single_device():
       sorted_by = None
       if route is not None and route.order_M is not None:
         sorted_by = (route.order_M, route.group_sizes_X)
       return _experts_on_shard(LocalDispatch(self.num_experts, sorted_by), self.gmm_impl, x_MD,
                                class_M, *weights)
+    mesh = jax.sharding.get_abstract_mesh()
     name = resolve_dispatch(self.moe_dispatch, mesh.shape[EXPERT])
     dispatcher = make_dispatcher(name, self.num_experts, self.capacity_factor)
     # The Pallas gmm in interpret mode trips shard_map's varying-axes checker (see

@@ -94,7 +94,7 @@ def attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_i
     q_BTNH, k_BTKH, v_BTKH: queries (after QK-norm and RoPE), keys, values (GQA: N % K == 0).
     segment_ids_BT: int32 document ids, 0 = padding.
     mask_BTS: "xla": the bool causal mask of this layer (`attention_mask`, with the window on
-      sliding layers), or None to build it here from the segment ids; "pallas": unused.
+      sliding layers); "pallas": unused (None: the kernel masks from the segment ids).
     scale: logit scale (head_dim ** -0.5).
     window: tokens a sliding layer's query sees, or None when the model has no sliding layers.
     sliding: bool [] (may be traced, e.g. a per-layer flag inside `nnx.scan`): this layer
@@ -107,10 +107,6 @@ def attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_i
   (finite values, equal in both); they are masked out of every loss.
   """
   if impl == "xla":
-    if mask_BTS is None:
-      mask_BTS = attention_mask(segment_ids_BT)
-      if window is not None:
-        mask_BTS = jnp.where(sliding, attention_mask(segment_ids_BT, window), mask_BTS)
     return causal_block_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, scale=scale)
   if impl != "pallas":
     raise ValueError(f"attention impl={impl!r}; must be one of {IMPLS}")
