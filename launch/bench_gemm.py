@@ -23,7 +23,8 @@ from ml_collections import config_flags
 
 from zaya_jax.config import build_group
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.perf import accelerators, gemm
+from zaya_jax.parallel import accelerators
+from zaya_jax.perf import gemm
 from pallas_kernels.timing import host_description
 
 _CONFIG = config_flags.DEFINE_config_file(

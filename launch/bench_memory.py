@@ -15,7 +15,8 @@ import sys
 
 from absl import app, flags
 
-from zaya_jax.perf import accelerators, memory
+from zaya_jax.parallel import accelerators
+from zaya_jax.perf import memory
 from pallas_kernels.timing import host_description
 
 _KERNELS = flags.DEFINE_list("kernels", list(memory.KERNELS), f"Any of {memory.KERNELS}.")

@@ -4,7 +4,7 @@
   python -m launch.sizing --config=configs/zaya1_base.py --num_devices=1024 --mesh=1,128,8 \
       --batch_size=1024 --seq_len=4096 --dtype=bfloat16 --remat=full
 
-Nothing runs on a device: the figures are arithmetic on the config (zaya_jax.perf.sizing,
+Nothing runs on a device: the figures are arithmetic on the config (zaya_jax.model.sizing,
 zaya_jax.perf.roofline). `--mesh` is data,fsdp,expert (one may be -1); default FSDP over all
 devices. The global batch defaults to config.train.batch_size, rounded up to a multiple of
 the device count.
@@ -24,7 +24,7 @@ from ml_collections import config_flags
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf import roofline
-from zaya_jax.perf.accelerators import get_profile
+from zaya_jax.parallel.accelerators import get_profile
 from zaya_jax.perf.gemm_table import GemmTable
 
 _CONFIG = config_flags.DEFINE_config_file(

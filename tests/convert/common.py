@@ -9,7 +9,7 @@ import sys
 import torch
 
 from tests.helpers import MODEL_OVERRIDES
-from zaya_jax.convert.import_hf import SafetensorsReader
+from zaya_jax.hf.import_hf import SafetensorsReader
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The HF twin of tests/helpers.py (MODEL_OVERRIDES) (vocab 320 as configs/zaya1_tiny.py, byte-tokenizer ids).

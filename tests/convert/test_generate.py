@@ -2,7 +2,7 @@
 
 Same weights on both sides: a random `transformers.ZayaForCausalLM` (every tensor randomised,
 balancing biases set so that experts and the skip class all win some tokens), saved and
-loaded with `zaya_jax.convert.load_pretrained` (skip_mode "zero", as transformers). The input
+loaded with `zaya_jax.hf.load_pretrained` (skip_mode "zero", as transformers). The input
 embedding scale is shrunk so the continuation is driven by the layers: with the randomised
 scale ~1 the tied head mostly predicts the current token again and every row degenerates
 into one repeated token, which would let a broken decoder pass. transformers' cached
@@ -18,7 +18,7 @@ from transformers import ZayaForCausalLM
 from tests.convert.common import CONFIG, HF_ARCH, cli
 from tests.model import hf_reference
 from zaya_jax.generate import generate, greedy_generate_recompute
-from zaya_jax.convert import load_pretrained
+from zaya_jax.hf import load_pretrained
 
 PROMPT = 8  # tokens
 NEW = 12  # tokens

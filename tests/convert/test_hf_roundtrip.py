@@ -1,4 +1,4 @@
-"""HF export (`zaya_jax.convert.save_pretrained`) round-trips `transformers.ZayaForCausalLM` exactly.
+"""HF export (`zaya_jax.hf.save_pretrained`) round-trips `transformers.ZayaForCausalLM` exactly.
 
 transformers 5.23 `from_pretrained` overwrites every router's skip balancing bias
 (`balancing_biases[-1]`) with -1 after loading (`ZayaPreTrainedModel._init_weights` assigns it
@@ -17,7 +17,7 @@ from flax import nnx
 
 from tests.convert.common import read_export, reference_state, restore_skip_biases
 from tests.model import hf_reference
-from zaya_jax.convert import load_pretrained, save_pretrained, to_hf_state_dict
+from zaya_jax.hf import load_pretrained, save_pretrained, to_hf_state_dict
 
 # Attention + lm_head biases so every optional tensor is exercised; 3 layers (EDA on 1, 2).
 OVERRIDES = dict(attention_bias=True, lm_head_bias=True)

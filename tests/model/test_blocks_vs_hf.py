@@ -19,7 +19,7 @@ import torch
 
 from tests.model import hf_reference
 from tests.helpers import assert_close, layer_slice, module_with
-from zaya_jax.convert import load_pretrained
+from zaya_jax.hf import load_pretrained
 from zaya_jax.model.cca import CCA
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.rope import rope_cos_sin

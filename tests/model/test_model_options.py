@@ -20,7 +20,7 @@ from tests.model import hf_reference
 from configs import zaya1_tiny
 from tests.helpers import assert_close, random_model
 from zaya_jax.config import COMPUTE_ONLY_MODEL_FIELDS, ConfigError, resolve
-from zaya_jax.convert import load_pretrained
+from zaya_jax.hf import load_pretrained
 from zaya_jax.model import ModelConfig
 
 # Tiny: 2 layers (the second sliding, window 4 < T), GQA 2, 4 experts + skip.

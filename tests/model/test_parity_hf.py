@@ -9,7 +9,7 @@ from flax import nnx
 
 from tests.helpers import assert_close
 from tests.model import hf_reference
-from zaya_jax.convert import load_pretrained
+from zaya_jax.hf import load_pretrained
 
 ATOL = 1e-4
 

@@ -16,7 +16,7 @@ import pytest
 
 from configs import zaya1_tiny
 from zaya_jax.perf import benchmark
-from zaya_jax.perf.sizing import train_flops_per_token
+from zaya_jax.model.sizing import train_flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config=configs/zaya1_tiny.py", "--config.train.batch_size=2",

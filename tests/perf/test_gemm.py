@@ -9,7 +9,9 @@ import pytest
 from configs import zaya1_tiny
 from zaya_jax.config import build_group
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.perf import accelerators, gemm, gemm_table, roofline, sizing
+from zaya_jax.model import sizing
+from zaya_jax.parallel import accelerators
+from zaya_jax.perf import gemm, gemm_table, roofline
 from tests.perf.cli import run_concurrently
 
 TINY = [gemm.GemmShape("square", "square 16", 16, 16, 16),

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.perf import accelerators, memory
+from zaya_jax.parallel import accelerators
+from zaya_jax.perf import memory
 from tests.perf.cli import run_concurrently
 
 CLI_RUNS = {

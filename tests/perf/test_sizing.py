@@ -1,4 +1,4 @@
-"""Analytic sizing (zaya_jax.perf.sizing / roofline) against independent counts.
+"""Analytic sizing (zaya_jax.model.sizing / roofline) against independent counts.
 
 - Parameters: `transformers.ZayaForCausalLM` built from `ModelConfig.to_hf_dict()` (numel of
   its parameters), our NNX model's `nnx.Param` leaves, and the *active* count measured as the
@@ -27,8 +27,9 @@ from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.transformer import ZayaForCausalLM as JaxZaya
 from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf.hlo import dot_flops
-from zaya_jax.perf import roofline, sizing
-from zaya_jax.perf.accelerators import get_profile
+from zaya_jax.model import sizing
+from zaya_jax.perf import roofline
+from zaya_jax.parallel.accelerators import get_profile
 from tests.model import hf_reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -32,9 +32,9 @@ from flax import nnx
 from zaya_jax.checkpoint import (Checkpointer, find_run_checkpoint, restore_model_state,
                                  saved_model_config)
 from zaya_jax.config import RunConfig
-from zaya_jax.convert.export_hf import save_pretrained, skip_can_win
-from zaya_jax.convert.hf_config import ConvertError, architecture_differences, read_hf_config
-from zaya_jax.convert.import_hf import load_pretrained
+from zaya_jax.hf.export_hf import save_pretrained, skip_can_win
+from zaya_jax.hf.hf_config import ConvertError, architecture_differences, read_hf_config
+from zaya_jax.hf.import_hf import load_pretrained
 from zaya_jax.data import make_train_iterator
 from zaya_jax.model import ZayaForCausalLM
 from zaya_jax.parallel.mesh import abstract_with_shardings

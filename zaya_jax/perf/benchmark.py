@@ -10,14 +10,14 @@ row), runs `warmup` steps (the first compiles) and times `steps` more, each wait
 Figures (one dict, `BenchResult`):
 - `step_s`: median wall seconds per step; `tokens_per_s` = B x T / step_s.
 - `flops_per_token`: training FLOPs per token (fwd + bwd) from
-  `zaya_jax.perf.sizing.train_flops_per_token` (the sizing command's count: matmuls,
+  `zaya_jax.model.sizing.train_flops_per_token` (the sizing command's count: matmuls,
   attention with causal halving, CCA convs, active experts only); `achieved_flops` =
   flops_per_token x tokens_per_s, FLOP/s.
 - `peak_flops`: FLOP/s the MFU divides by. On CPU it is *measured* in the same run: the median
-  time of a large float32 `[n, n] @ [n, n]` matmul (`measure_matmul_peak`), so it
+  time of a large float32 `[n, n] @ [n, n]` matmul (`accelerators.measure_matmul_peak`), so it
   describes this host's cores under the load they carry right now. On a GPU it is the
   detected accelerator profile's dense peak for the model dtype
-  (`zaya_jax.perf.accelerators`). `mfu` = achieved_flops / peak_flops.
+  (`zaya_jax.parallel.accelerators`). `mfu` = achieved_flops / peak_flops.
 - `peak_memory_bytes`: on an accelerator the device's `peak_bytes_in_use`; on CPU the
   process's peak resident set size (`resource.getrusage`, read before the transformers run).
 
@@ -32,14 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from zaya_jax.config import BalanceConfig, TrainConfig, synthetic_configs
@@ -47,8 +44,8 @@ from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.mesh import MeshConfig, check_divisibility, make_mesh, use_mesh
 from zaya_jax.perf.synthetic import synthetic_batch
 from pallas_kernels import timing
-from zaya_jax.perf import accelerators
-from zaya_jax.perf.sizing import train_flops_per_token
+from zaya_jax.parallel import accelerators
+from zaya_jax.model.sizing import train_flops_per_token
 from zaya_jax.train.setup import setup_training
 from zaya_jax.train.state import init_train_state
 
@@ -78,32 +75,6 @@ def bench_configs(config: ml_collections.ConfigDict) -> BenchConfigs:
 def cpu_threads() -> int:
   """Cores XLA:CPU's thread pool uses: those this process may run on."""
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def measure_matmul_peak(size: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
-  """FLOP/s of a jitted `[size, size] @ [size, size]` matmul (2 size^3 FLOPs), median time.
-
-  Raises:
-    ValueError: if `size` < 1 or `repeats` < 1.
-  """
-  if size < 1:
-    raise ValueError(f"matmul size must be >= 1, got {size}")
-  a = jax.random.normal(jax.random.key(0), (size, size), dtype)
-  b = jax.random.normal(jax.random.key(1), (size, size), dtype)
-  seconds = timing.median_seconds(jax.jit(jnp.matmul), (a, b), repeats)
-  return 2.0 * size**3 / seconds
-
-
-def peak_memory_bytes() -> tuple[int, str]:
-  """`(bytes, source)`: the first device's peak bytes in use, or on CPU the process's peak
-  resident set size (ru_maxrss: KiB on Linux, bytes on macOS)."""
-  device = jax.devices()[0]
-  if device.platform != "cpu":
-    stats = device.memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-      return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use"
-  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
 
 
 def time_steps(step: Callable, state: Any, batch: Any, steps: int,
@@ -172,11 +143,11 @@ def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, 
       "step_s_max": max(times), "tokens_per_s": tokens / step_s,
       "flops_per_token": flops_per_token,
       "achieved_flops": flops_per_token * tokens / step_s}
-  result["peak_memory_bytes"], result["memory_source"] = peak_memory_bytes()
+  result["peak_memory_bytes"], result["memory_source"] = accelerators.peak_memory_bytes()
   profile = accelerators.detect_profile()
   if jax.default_backend() == "cpu" or profile is None:
     log(f"measuring the float32 matmul peak ({matmul_size}^3) ...")
-    result["peak_flops"] = measure_matmul_peak(matmul_size)
+    result["peak_flops"] = accelerators.measure_matmul_peak(matmul_size)
     result["peak_source"] = f"measured float32 matmul {matmul_size}x{matmul_size}x{matmul_size}"
   else:
     result["peak_flops"] = profile.peak_flops(cfgs.model.dtype)

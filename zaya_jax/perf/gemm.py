@@ -9,7 +9,7 @@ measures the same thing on the machine it runs on:
 - `sweep_shapes`: shapes over powers of two and their neighbours (`offsets`, default +-64):
   `square` M = N = K = s; `m`, `n`, `k` vary one dimension with the other two at `base`;
   `grid` M x N over powers of two at K = `base` (the heat map). `model_shapes` adds a config's
-  own GEMMs (`zaya_jax.perf.sizing.model_gemms`: attention, router, expert, LM head).
+  own GEMMs (`zaya_jax.model.sizing.model_gemms`: attention, router, expert, LM head).
 - `run_sweep`: times each distinct (M, N, K, dtype) once with `median_seconds` on a jitted
   `A @ B` (layout NN; float32 at `Precision.HIGHEST`, i.e. no TF32, to compare with the
   profiles' fp32 peak; bfloat16 in, float32 accumulation, bfloat16 out) and reports TFLOP/s,
@@ -35,8 +35,8 @@ import numpy as np
 
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.perf import report
-from zaya_jax.perf.accelerators import AcceleratorProfile
-from zaya_jax.perf.sizing import model_gemms
+from zaya_jax.parallel.accelerators import AcceleratorProfile
+from zaya_jax.model.sizing import model_gemms
 from pallas_kernels.timing import median_seconds
 
 DTYPES = ("bfloat16", "float32")

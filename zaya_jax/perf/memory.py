@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.perf import report
-from zaya_jax.perf.accelerators import AcceleratorProfile
+from zaya_jax.parallel.accelerators import AcceleratorProfile
 from pallas_kernels.timing import median_seconds
 
 KERNELS = ("copy", "scale", "add", "triad")

@@ -1,7 +1,7 @@
 # Shape letters: D V L N K H J R X E F W S (see zaya_jax/__init__.py).
 """Roofline estimates of one ZAYA1 training step, its memory per device, and decode/prefill latency.
 
-Builds on the analytic counts of `zaya_jax.perf.sizing`. The assumptions, all stated once:
+Builds on the analytic counts of `zaya_jax.model.sizing`. The assumptions, all stated once:
 - Parallelism: the mesh of parallel/mesh.py. Parameters, grads and AdamW states shard like
   the parameters (`embed` on fsdp, experts on fsdp x expert, the small router MLP / conv
   weights replicated); the global batch splits over data x fsdp x expert.
@@ -31,8 +31,8 @@ from typing import Callable
 
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.config.mesh import MeshConfig
-from zaya_jax.perf.accelerators import AcceleratorProfile
-from zaya_jax.perf.sizing import DTYPE_BYTES, Gemm, Violation, check_rules, count_params, gemm_dtype, \
+from zaya_jax.parallel.accelerators import AcceleratorProfile
+from zaya_jax.model.sizing import DTYPE_BYTES, Gemm, Violation, check_rules, count_params, gemm_dtype, \
     model_gemms, non_gemm_flops_per_token, train_flops_per_token
 
 REMATS = ("none", "full")

@@ -2,7 +2,7 @@
 """Import: a `transformers` save_pretrained directory (config.json + safetensors) as our model.
 
 `load_pretrained(hf_dir)` reads `config.json` (`ModelConfig.from_hf_dict`) and converts every
-tensor through `zaya_jax.convert.hf_table.HF_TABLE`, one parameter at a time; a missing,
+tensor through `zaya_jax.hf.hf_table.HF_TABLE`, one parameter at a time; a missing,
 unexpected or misshapen tensor, or a damaged safetensors file, is named in the error.
 `SafetensorsReader` reads tensors by key from one file or a sharded index.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from zaya_jax.convert.hf_table import HF_TABLE, IGNORED_HF_KEYS, flatten, hf_shape, set_path, to_ours
+from zaya_jax.hf.hf_table import HF_TABLE, IGNORED_HF_KEYS, flatten, hf_shape, set_path, to_ours
 from zaya_jax.model import ModelConfig, ZayaForCausalLM
 
 

@@ -2,7 +2,7 @@
 """Export: our model as a `transformers` `ZayaForCausalLM.from_pretrained` directory.
 
 `to_hf_state_dict(model)` is every HF tensor (the exact inverse of the import, through
-`zaya_jax.convert.hf_table.HF_TABLE`); `save_pretrained(model, out_dir, ...)` writes them as
+`zaya_jax.hf.hf_table.HF_TABLE`); `save_pretrained(model, out_dir, ...)` writes them as
 safetensors (sharded above a size) with config.json and generation_config.json;
 `skip_can_win(model)` names the layers where transformers' handling of the skip class can
 give different outputs from ours.
@@ -21,8 +21,8 @@ from absl import logging
 from flax import nnx
 from safetensors.numpy import save_file
 
-from zaya_jax.convert.hf_config import write_hf_configs
-from zaya_jax.convert.hf_table import HF_TABLE, flatten, hf_shape, to_hf
+from zaya_jax.hf.hf_config import write_hf_configs
+from zaya_jax.hf.hf_table import HF_TABLE, flatten, hf_shape, to_hf
 from zaya_jax.model import ZayaForCausalLM
 
 

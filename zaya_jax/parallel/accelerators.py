@@ -21,8 +21,13 @@ A CPU has no profile: its peak is measured (a large matmul timed in the same run
 from __future__ import annotations
 
 import dataclasses
+import resource
+import sys
 
 import jax
+import jax.numpy as jnp
+
+from pallas_kernels import timing
 
 TERA = 1e12
 GIGA = 1e9
@@ -112,3 +117,29 @@ def resolve_profile(name: str | None) -> AcceleratorProfile | None:
     ValueError: for an unknown name (from `get_profile`).
   """
   return get_profile(name) if name else detect_profile()
+
+
+def measure_matmul_peak(size: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+  """FLOP/s of a jitted `[size, size] @ [size, size]` matmul (2 size^3 FLOPs), median time.
+
+  Raises:
+    ValueError: if `size` < 1 or `repeats` < 1.
+  """
+  if size < 1:
+    raise ValueError(f"matmul size must be >= 1, got {size}")
+  a = jax.random.normal(jax.random.key(0), (size, size), dtype)
+  b = jax.random.normal(jax.random.key(1), (size, size), dtype)
+  seconds = timing.median_seconds(jax.jit(jnp.matmul), (a, b), repeats)
+  return 2.0 * size**3 / seconds
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+  """`(bytes, source)`: the first device's peak bytes in use, or on CPU the process's peak
+  resident set size (ru_maxrss: KiB on Linux, bytes on macOS)."""
+  device = jax.devices()[0]
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use"
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"

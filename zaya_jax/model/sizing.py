@@ -3,7 +3,8 @@
 
 Everything is arithmetic on `ModelConfig` (no arrays are built), so it runs instantly for
 ZAYA1-base. The roofline, memory and latency estimates that build on these numbers live in
-`zaya_jax.perf.roofline`; `python -m launch.sizing` prints both.
+`zaya_jax.perf.roofline`; `python -m launch.sizing` prints both. In the model layer so the
+training loop can count FLOPs per token (MFU) and parameters (its header).
 
 Conventions (each stated where it is used):
 - One GEMM `C[m, n] = A[m, k] @ B[k, n]` costs `2 m n k` FLOPs; a training step costs 3x the
@@ -29,7 +30,7 @@ import dataclasses
 import math
 
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.perf.accelerators import AcceleratorProfile
+from zaya_jax.parallel.accelerators import AcceleratorProfile
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
