@@ -71,7 +71,6 @@ def main(argv):
     sys.exit(str(e))
   if jax.process_index() == 0:
     logging.info("%s: %s", f"distributed ({method})" if method else "single process", distributed.describe())
-    logging.info("config:\n%s", _CONFIG.value)
   try:
     run(_CONFIG.value, _WORKDIR.value)
   except ConfigError as e:  # A user error: print the field and the fix, no traceback.

@@ -33,12 +33,15 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from zaya_jax.checkpoint import Checkpointer, quiet_library_logs
+from zaya_jax.checkpoint import Checkpointer, config_record, quiet_library_logs
 from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.data import make_eval_batches, make_train_iterator
+from zaya_jax.model import sizing
+from zaya_jax.parallel import accelerators
 from zaya_jax.parallel.mesh import abstract_with_shardings, check_divisibility, make_mesh, use_mesh
+from zaya_jax.train import console
 from zaya_jax.train.fault import StopSignals, Watchdog
-from zaya_jax.train.metrics import METRICS_FILE, MetricsWriter
+from zaya_jax.train.metrics import METRICS_FILE, MetricsWriter, with_perplexity
 from zaya_jax.train.optim import describe_optimizer
 from zaya_jax.train.setup import setup_training
 from zaya_jax.train.state import TrainState, init_train_state
@@ -161,13 +164,35 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
     logging.warning("checkpoint step %d >= train.num_steps=%d: nothing to train; raise "
                     "--config.train.num_steps to continue (the cosine schedule stretches to it)",
                     step, train.num_steps)
+  times = {"compile": 0.0, "train": 0.0, "eval": 0.0, "checkpoint": 0.0, "train_tokens": 0}
+  run_start = time.perf_counter()
+  profile = accelerators.detect_profile()
+  peak_measured = profile is None and jax.devices()[0].platform == "cpu"
+  if profile is not None:
+    try:
+      peak_flops = profile.peak_flops(cfg.model.dtype) * jax.device_count()
+    except ValueError:  # a dtype without a profile figure
+      peak_flops = None
+  elif peak_measured:  # the devices of a CPU host share its cores: one peak per process
+    peak_flops = accelerators.measure_matmul_peak(size=1024, repeats=3) * jax.process_count()
+  else:
+    peak_flops = None
+  flops_per_token = sizing.train_flops_per_token(cfg.model, train.seq_len)
   if is_main:
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    logging.info("%s at step %d/%d: %.2fM parameters, %d devices (%d processes), mesh %s, workdir %s",
-                 "Resuming" if latest is not None else "Starting", step, train.num_steps,
-                 n_params / 1e6, jax.device_count(), jax.process_count(), dict(mesh.shape), workdir)
-    if latest is None:  # the parameter groups, once per run
-      logging.info("parameter groups:\n%s", describe_optimizer(train, params_shape))
+    counts = sizing.count_params(cfg.model)
+    console.write_json_atomic(os.path.join(workdir, "config.json"), config_record(cfg))
+    with open(os.path.join(workdir, "optimizer.txt"), "w", encoding="utf-8") as f:
+      f.write(describe_optimizer(train, params_shape) + "\n")
+    header = console.header_lines(
+        resuming=latest is not None, step=step, num_steps=train.num_steps,
+        params_total=counts.total, params_active=counts.active, layers=cfg.model.num_layers,
+        experts=cfg.model.num_experts, devices=jax.device_count(),
+        processes=jax.process_count(), mesh_shape=dict(mesh.shape), workdir=workdir,
+        accelerator=profile.name if profile else jax.devices()[0].platform,
+        peak_flops=peak_flops, peak_measured=peak_measured, batch_size=train.batch_size,
+        seq_len=train.seq_len,
+        data=console.data_summary(cfg.data, train.num_steps * train.batch_size * train.seq_len))
+    logging.info("%s", "\n".join(header))
     if train.inject_nan_at_steps:
       logging.warning("train.inject_nan_at_steps=%s: NaN loss and gradients will be injected "
                       "(a test-only setting)", train.inject_nan_at_steps)
@@ -175,29 +200,56 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
   poisoned: set[int] = set()  # injected steps: once each per process, so a rollback moves past them
   eval_step = make_eval_step(graphdef, state_sharding, data_sharding)
   if eval_batches:  # compiled now, so that every evaluation can run under the watchdog
+    if is_main:
+      logging.info("compiling the eval step ...")
+    start = time.perf_counter()
     eval_step = eval_step.lower(target, eval_batches[0]).compile()
+    times["compile"] += time.perf_counter() - start
+    if is_main:
+      logging.info("eval step compiled in %.1f s%s", time.perf_counter() - start,
+                   console.memory_analysis(eval_step))
   # Drops records > latest (> 0 for a fresh start: those of an attempt that left no checkpoint).
   metrics_out = MetricsWriter(metrics_path, enabled=is_main,
                               resume_step=0 if latest is None else latest)
   tokens_per_step = train.batch_size * train.seq_len
   saved_step = latest
   evals_run = 0
+  last_eval: dict[str, Any] | None = None
+  window = console.LogWindow()
+  last_train_loss: float | None = None
   rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
 
   def run_eval():
-    nonlocal evals_run
+    nonlocal evals_run, last_eval
     if not eval_batches:
       return
-    with watchdog.guard(f"evaluation at step {step}"):
+    jax.block_until_ready(state.step)  # the train steps dispatched so far stay in the window
+    start = time.perf_counter()
+    with window.excluded(), watchdog.guard(f"evaluation at step {step}"):
       record = {"kind": "eval", "step": step, **evaluate(eval_step, state, eval_batches)}
+    seconds = time.perf_counter() - start
+    times["eval"] += seconds
     evals_run += 1
+    record["eval_time_s"] = seconds
     metrics_out.write(record)
+    last_eval = with_perplexity(record)
     if is_main:
-      logging.info("eval step %d | loss %.4f | %d tokens", step, record["loss"], record["tokens"])
+      logging.info("eval step %d | loss %.4f | ppl %.2f | %d tokens | %.1f s", step,
+                   record["loss"], last_eval.get("perplexity", float("nan")), record["tokens"],
+                   seconds)
 
   def save():
-    with watchdog.guard(f"checkpoint save at step {step}"):
-      return ckpt.save(state, data_iter, cfg)
+    jax.block_until_ready(state.step)
+    start = time.perf_counter()
+    with window.excluded(), watchdog.guard(f"checkpoint save at step {step}"):
+      saved = ckpt.save(state, data_iter, cfg)
+    seconds = time.perf_counter() - start
+    times["checkpoint"] += seconds
+    if is_main:
+      logging.info("saved checkpoint %d in %.2f s%s", saved, seconds,
+                   " (async: the call; writing goes on in the background)"
+                   if cfg.checkpoint.async_save else "")
+    return saved
 
   def rollback(bad: dict[str, Any]) -> TrainState:
     """Restores the last checkpoint after `max_consecutive_skips` non-finite updates."""
@@ -283,10 +335,14 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
   steps_this_run = 0
   previous: dict[str, Any] | None = None  # the last update's metrics, checked one step late
   stop_reason = None
-  window_start, window_steps = time.perf_counter(), 0
+  window_steps_timed, first_start = 0, time.perf_counter()  # steps timed in `window`
   with checkpoint_on_error():
     while step < train.num_steps and not (
         train.max_steps_per_run and steps_this_run >= train.max_steps_per_run):
+      if not steps_this_run:
+        if is_main:
+          logging.info("compiling the train step ...")
+        first_start = time.perf_counter()
       guard = watchdog.guard(f"train step {step + 1}") if steps_this_run else contextlib.nullcontext()
       with guard:
         batch = global_batch(_next_batch(data_iter), data_sharding)
@@ -299,39 +355,54 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
           state, metrics = train_step(state, batch)
         step += 1
         steps_this_run += 1
-        window_steps += 1
+        window.add(metrics["loss"])
         if steps_this_run == 1:  # Keep compilation out of the throughput numbers.
           jax.block_until_ready(metrics)
-          window_start, window_steps = time.perf_counter(), 0
+          seconds = time.perf_counter() - first_start
+          times["compile"] += seconds
+          memory, _ = accelerators.peak_memory_bytes()
+          if is_main:
+            logging.info("train step compiled in %.1f s (first step included; peak memory %s)",
+                         seconds, console.gib(memory))
+          first_loss = metrics["loss"]
+          window.reset()
+          window.add(first_loss)  # its loss counts, its time does not
+          window_steps_timed = 0
+        else:
+          window_steps_timed += 1
         if check_previous(previous):  # `state` (one update further) is discarded
           state = rollback(previous)
           step, saved_step, previous = int(state.step), int(state.step), None
+          window.reset()
+          window_steps_timed = 0
           continue
         previous = {**metrics, "step": step}
       watchdog.arm(f"fetching the metrics of step {step}")  # the step's collectives finish here
       if step % train.log_every == 0 or step == train.num_steps:
         m = jax.device_get(metrics)
-        elapsed = time.perf_counter() - window_start
-        tok_s = window_steps * tokens_per_step / elapsed if window_steps else None  # None: compile step
-        metrics_out.write({
-            "kind": "train", "step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
-            "grad_norm": float(m["grad_norm"]), "tokens": float(m["tokens"]),
-            "tokens_per_s": tok_s, "skipped_steps": int(m["skipped_steps"]),
+        elapsed = window.elapsed()
+        last_train_loss = window.mean_loss()
+        times["train"] += elapsed
+        times["train_tokens"] += window_steps_timed * tokens_per_step
+        end = train.num_steps if not train.max_steps_per_run else min(
+            train.num_steps, step - steps_this_run + train.max_steps_per_run)
+        rates = console.throughput(window_steps_timed, elapsed, tokens_per_step,
+                                   jax.device_count(), flops_per_token, peak_flops, end - step)
+        record = {
+            "kind": "train", "step": step, "loss": last_train_loss, "loss_last": float(m["loss"]),
+            "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]), "tokens": float(m["tokens"]),
+            **rates, "peak_memory_bytes": accelerators.peak_memory_bytes()[0],
+            "skipped_steps": int(m["skipped_steps"]),
             "moe/dropped_fraction": float(m["moe/dropped_fraction"]),
             "expert_load": np.asarray(m["expert_load"]).tolist(),
             **{k: float(m[k]) for k in BALANCE_SCALARS},
             **{k: np.asarray(m[k]).tolist() for k in BALANCE_PER_LAYER},
-        })
+        }
+        metrics_out.write(record)
         if is_main:
-          logging.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | "
-                       "max/mean load %.2f | load entropy %.3f | skip %.3f | router entropy %.3f%s",
-                       step, train.num_steps, m["loss"], m["lr"], m["grad_norm"],
-                       "-" if tok_s is None else f"{tok_s:.0f}",
-                       m["balance/max_over_mean_max"], m["balance/load_entropy_min"],
-                       m["balance/skip_rate_mean"],
-                       m["router/entropy_mean"],
-                       f" | {int(m['skipped_steps'])} skipped" if m["skipped_steps"] else "")
-        window_start, window_steps = time.perf_counter(), 0
+          logging.info("%s", console.step_line(step, train.num_steps, record))
+        window.reset()
+        window_steps_timed = 0
       if train.eval_every and step % train.eval_every == 0 and step != train.num_steps:
         run_eval()
       if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
@@ -356,8 +427,28 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       saved_step = save()
     with watchdog.guard("waiting for the last checkpoint to be written"):
       ckpt.close()  # Waits for asynchronous saves: the process may exit right after.
+  if stop_reason:
+    ended = f"stopped by {stop_reason}"
+  elif step >= train.num_steps:
+    ended = "finished" if steps_this_run else "nothing to train (num_steps reached)"
+  else:
+    ended = f"train.max_steps_per_run={train.max_steps_per_run} reached"
+  times["total"] = time.perf_counter() - run_start
+  tokens_this_run = steps_this_run * tokens_per_step
+  metrics_out.write({
+      "kind": "summary", "step": step, "ended": ended, "steps_this_run": steps_this_run,
+      "tokens_this_run": tokens_this_run, "train_loss": last_train_loss,
+      "eval_loss": last_eval["loss"] if last_eval else None,
+      "tokens_per_s": times["train_tokens"] / times["train"] if times["train"] else None,
+      **{f"{k}_time_s": times[k] for k in ("total", "compile", "train", "eval", "checkpoint")}})
+  tensorboard_dir = metrics_out.tensorboard_dir
   metrics_out.close()
   if is_main:
+    logging.info("%s", "\n".join(console.summary_lines(
+        ended=ended, steps_this_run=steps_this_run, times=times,
+        tokens_this_run=tokens_this_run, train_loss=last_train_loss, eval_record=last_eval,
+        checkpoint_step=saved_step, checkpoint_dir=ckpt.directory, metrics_path=metrics_path,
+        tensorboard_dir=tensorboard_dir)))
     if first_step_stop:
       logging.warning("Stopped by %s during the first step of this run: nothing was saved; %s",
                       stop_reason, f"checkpoint {saved_step} in {ckpt.directory} is unchanged. "
@@ -368,7 +459,4 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       logging.warning("Stopped by %s at step %d/%d; checkpoint %d is in %s. Rerun the same "
                       "command to resume.", stop_reason, step, train.num_steps, saved_step,
                       ckpt.directory)
-    else:
-      logging.info("Stopped at step %d/%d; checkpoint %d in %s", step, train.num_steps,
-                   saved_step, ckpt.directory)
   return state
