@@ -115,14 +115,14 @@ def si(x: float | None, digits: int = 3) -> str:
 
 
 def duration(seconds: float | None) -> str:
-  """4321.0 -> '1h12m01s', 75 -> '1m15s', 3.21 -> '3.2s'; None -> '-'."""
+  """4321.0 -> '1h12m', 75 -> '1m15s', 3.21 -> '3.2s'; None -> '-'."""
   if seconds is None or not math.isfinite(seconds):
     return "-"
   if seconds < 60:
     return f"{seconds:.1f}s"
   s = int(round(seconds))
   h, m = divmod(s // 60, 60)
-  return f"{h}h{m:02d}m{s % 60:02d}s" if h else f"{m}m{s % 60:02d}s"
+  return f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
 
 
 def gib(n: int | None) -> str:
@@ -133,21 +133,25 @@ def gib(n: int | None) -> str:
 
 
 def step_line(step: int, num_steps: int, m: dict[str, Any]) -> str:
-  """One console line of a train record `m` (keys of the metrics.jsonl train record)."""
-  parts = [f"step {step}/{num_steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
-           f"gnorm {m['grad_norm']:.3f}"]
+  """One console line of a train record `m` (keys of the metrics.jsonl train record):
+  'step 10/300 | loss 3.2500 lr 3.00e-04 gnorm 0.500 | 125 ms 16.4k tok/s (8.19k/dev) MFU
+  1.2% ETA 1m30s | mem 1.50GiB | load max/mean 1.50 H 0.90 skip 0.10 router 1.20' (load:
+  the worst layer's max/mean expert load and min normalised entropy; skip: skip-class rate;
+  router: router entropy in nats; the per-device rate only with several devices)."""
+  parts = [f"step {step}/{num_steps}",
+           f"loss {m['loss']:.4f} lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f}"]
   if m.get("step_time_s") is None:
     parts.append("first step (compile)")
   else:
     mfu = m.get("mfu")
-    parts += [f"{m['step_time_s'] * 1e3:.0f} ms", f"{si(m['tokens_per_s'])} tok/s "
-              f"({si(m['tokens_per_s_per_device'])}/dev)",
-              f"MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}",
-              f"ETA {duration(m['eta_s'])}"]
-  parts.append(f"mem {gib(m.get('peak_memory_bytes'))}")
+    per_device = ("" if m["tokens_per_s_per_device"] == m["tokens_per_s"] else  # 1 device
+                  f" ({si(m['tokens_per_s_per_device'])}/dev)")
+    parts.append(f"{m['step_time_s'] * 1e3:.0f} ms {si(m['tokens_per_s'])} tok/s{per_device} "
+                 f"MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} ETA {duration(m['eta_s'])}")
+  parts.append(f"mem {gib(m.get('peak_memory_bytes')).replace(' ', '')}")
   parts.append(f"load max/mean {m['balance/max_over_mean_max']:.2f} "
                f"H {m['balance/load_entropy_min']:.2f} skip {m['balance/skip_rate_mean']:.2f} "
-               f"router H {m['router/entropy_mean']:.2f}")
+               f"router {m['router/entropy_mean']:.2f}")
   if m.get("skipped_steps"):
     parts.append(f"{int(m['skipped_steps'])} skipped")
   return " | ".join(parts)
