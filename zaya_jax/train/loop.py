@@ -5,7 +5,9 @@ Running the same command again resumes from the newest checkpoint in `workdir/ch
 (parameters, balancing biases, optimizer, step, RNG key and data position), so a restarted
 run continues bit-for-bit on CPU. Outputs in `workdir`:
   checkpoints/<step>/   Orbax checkpoints (see zaya_jax/checkpoint/__init__.py)
-  metrics.jsonl         one JSON object per line: {"kind": "train" | "eval", "step": ..., ...}
+  metrics.jsonl         one JSON object per line: {"kind": "train" | "eval" | "summary", ...}
+  config.json           the resolved RunConfig (as in every checkpoint), rewritten per start
+  optimizer.txt         the optimizer's parameter groups
   tensorboard/          the same records as TensorBoard events (zaya_jax/train/metrics.py)
 
 Fault tolerance (README "Fault tolerance"): the newest checkpoint that reads back intact is

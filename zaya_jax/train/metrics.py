@@ -15,6 +15,15 @@ object per line, and mirrors it into TensorBoard event files in `workdir/tensorb
   None, strings, ragged or >2-D lists
                                not written to TensorBoard (they stay in metrics.jsonl)
 
+Records (written by zaya_jax/train/loop.py): "train" records' `loss` is the mean of the
+finite step losses of the log window (the steps since the previous train record) and
+`loss_last` the logged step's own batch loss; `step_time_s`, `tokens_per_s`,
+`tokens_per_s_per_device`, `mfu` (a fraction), `peak_memory_bytes` and `eta_s` (seconds) are
+measured over the window without the compile step, evaluations and checkpoint saves (None
+when the window holds only the compile step). "eval" records add `eval_time_s`. One
+"summary" record ends each run (`ended`, `steps_this_run`, `tokens_this_run`, `train_loss`,
+`eval_loss`, `tokens_per_s`, `*_time_s`); readers select records by `kind`.
+
 Eval records with a finite `loss` (nats per token) get `perplexity` = exp(loss) added,
 in metrics.jsonl too, unless the record already has one.
 
