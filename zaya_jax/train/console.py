@@ -126,10 +126,12 @@ def duration(seconds: float | None) -> str:
 
 
 def gib(n: int | None) -> str:
-  """Bytes -> '1.23 GiB' / '456 MiB'; None -> '-'."""
+  """Bytes -> '1.23 GiB' / '456 MiB' / '12 KiB'; None -> '-'."""
   if n is None:
     return "-"
-  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+  if n >= 2**30:
+    return f"{n / 2**30:.2f} GiB"
+  return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def step_line(step: int, num_steps: int, m: dict[str, Any]) -> str:
