@@ -113,6 +113,10 @@ def get_config() -> ml_collections.ConfigDict:
   t.skip_data_on_rollback = True  # after a rollback, continue with the batches after the bad ones
   t.step_timeout_s = 0.0  # seconds; a train step/eval/save slower than this (a hung collective) dumps all stacks and exits 3; 0 = off
   t.inject_nan_at_steps = ml_collections.FieldReference((), field_type=tuple)  # TEST ONLY: NaN loss/grads at these steps
+  # Starting and extending runs (zaya_jax/train/init_from.py, schedule_extend.py).
+  t.init_from = ""  # path; a run with no checkpoint yet starts from its weights (fresh optimizer, step 0): a run's workdir, WORKDIR/checkpoints/<step>, or an HF dir (config.json + *.safetensors); "" = random init
+  t.schedule_steps = 0  # steps over which the lr schedule runs (constant final lr after); 0 = num_steps
+  t.schedule_extend = "refuse"  # resuming with another num_steps that would change the lr: "refuse" (error) | "constant" (keep the old schedule, then its final lr) | "stretch" (recompute over the new num_steps)
 
   # --- checkpoint ---------------------------------------------------------------------------
   c = config.checkpoint = ml_collections.ConfigDict()

@@ -30,6 +30,11 @@ RENAMED_FIELDS = {
 }
 
 
+# `train.schedule_extend`: what a resume with another `train.num_steps` does to the lr schedule
+# (zaya_jax/train/optim.py `extend_schedule`).
+SCHEDULE_EXTEND_CHOICES = ("refuse", "constant", "stretch")
+
+
 class ConfigError(ValueError):
   """An invalid config value; the message names the field (`group.field`) and the fix."""
 
@@ -69,6 +74,9 @@ class TrainConfig:
   skip_data_on_rollback: bool = True  # after a rollback, keep reading after the offending batches
   step_timeout_s: float = 0.0  # watchdog: dump stacks and exit if a step hangs this long; 0 = off
   inject_nan_at_steps: tuple[int, ...] = ()  # TEST ONLY: make these updates' loss and grads NaN
+  init_from: str = ""  # fresh runs start from these weights: run workdir | checkpoint step dir | HF dir
+  schedule_steps: int = 0  # lr schedule horizon in steps; 0 = num_steps (set by schedule_extend)
+  schedule_extend: str = "refuse"  # resume with another num_steps: "refuse" | "constant" | "stretch"
 
   def __post_init__(self):
     for f in ("num_steps", "batch_size", "grad_accum_steps", "seq_len", "log_every"):
@@ -78,7 +86,7 @@ class TrainConfig:
                         f"train.grad_accum_steps={self.grad_accum_steps}; each micro-batch holds "
                         "batch_size / grad_accum_steps sequences")
     for f in ("seed", "max_steps_per_run", "warmup_steps", "eval_every", "eval_batches",
-              "max_consecutive_skips"):
+              "max_consecutive_skips", "schedule_steps"):
       _nonnegative_int(self, "train", f)
     if not isinstance(self.skip_data_on_rollback, bool):
       raise ConfigError(f"train.skip_data_on_rollback={self.skip_data_on_rollback!r} must be "
@@ -93,6 +101,17 @@ class TrainConfig:
       raise ConfigError(
           f"train.warmup_steps={self.warmup_steps} must be < train.num_steps={self.num_steps}; "
           "lower the warmup or train longer")
+    if self.schedule_steps and self.warmup_steps >= self.schedule_steps:
+      raise ConfigError(
+          f"train.warmup_steps={self.warmup_steps} must be < train.schedule_steps="
+          f"{self.schedule_steps} (the schedule's horizon); lower the warmup or set "
+          "train.schedule_steps=0 (= train.num_steps)")
+    if self.schedule_extend not in SCHEDULE_EXTEND_CHOICES:
+      raise ConfigError(f"train.schedule_extend={self.schedule_extend!r} must be one of "
+                        f"{SCHEDULE_EXTEND_CHOICES}")
+    if not isinstance(self.init_from, str):
+      raise ConfigError(f"train.init_from={self.init_from!r} must be a path string "
+                        "(\"\" = start from a random initialisation)")
     if not self.lr > 0:
       raise ConfigError(f"train.lr={self.lr} must be > 0 (peak learning rate, e.g. 3e-4)")
     if not 0 <= self.min_lr_ratio <= 1:
@@ -118,12 +137,14 @@ class TrainConfig:
     if not (_is_number(self.decay_fraction) and 0 <= self.decay_fraction <= 1):
       raise ConfigError(f"train.decay_fraction={self.decay_fraction!r} must be in [0, 1] (the "
                         "share of train.num_steps at the end that the \"wsd\" schedule decays)")
-    decay_steps = int(round(self.decay_fraction * self.num_steps))
-    if self.schedule == "wsd" and self.warmup_steps + decay_steps > self.num_steps:
+    horizon = self.schedule_steps or self.num_steps
+    horizon_name = "train.schedule_steps" if self.schedule_steps else "train.num_steps"
+    decay_steps = int(round(self.decay_fraction * horizon))
+    if self.schedule == "wsd" and self.warmup_steps + decay_steps > horizon:
       raise ConfigError(
           f"train.warmup_steps={self.warmup_steps} + decay steps {decay_steps} "
-          f"(train.decay_fraction={self.decay_fraction} of train.num_steps={self.num_steps}) "
-          "exceed train.num_steps; lower the warmup or train.decay_fraction")
+          f"(train.decay_fraction={self.decay_fraction} of {horizon_name}={horizon}) "
+          f"exceed {horizon_name}; lower the warmup or train.decay_fraction")
     if not (_is_number(self.muon_lr) and self.muon_lr > 0):
       raise ConfigError(f"train.muon_lr={self.muon_lr!r} must be > 0 (Muon's peak learning "
                         "rate, e.g. 0.02)")

@@ -26,6 +26,7 @@ skip flags one step late, so the host never waits for the step it just dispatche
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import Any
@@ -42,12 +43,15 @@ from zaya_jax.model import sizing
 from zaya_jax.parallel import accelerators
 from zaya_jax.parallel.mesh import abstract_with_shardings, check_divisibility, make_mesh, use_mesh
 from zaya_jax.train import console
+from zaya_jax.train.evaluate import evaluate
 from zaya_jax.train.fault import StopSignals, Watchdog
+from zaya_jax.train.init_from import initial_state
 from zaya_jax.train.metrics import METRICS_FILE, MetricsWriter, with_perplexity
-from zaya_jax.train.optim import describe_optimizer
+from zaya_jax.train.optim import describe_optimizer, schedule_horizon
+from zaya_jax.train.schedule_extend import extend_schedule
 from zaya_jax.train.setup import setup_training
 from zaya_jax.train.state import TrainState, init_train_state
-from zaya_jax.train.step import BALANCE_PER_LAYER, BALANCE_SCALARS, expert_load, make_eval_step
+from zaya_jax.train.step import BALANCE_PER_LAYER, BALANCE_SCALARS, make_eval_step
 
 # A run that goes non-finite again after this many rollbacks to one checkpoint stops.
 MAX_ROLLBACKS_PER_CHECKPOINT = 3
@@ -61,18 +65,6 @@ class TrainingError(RuntimeError):
 def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
   """This process's `[B / processes, T]` numpy batch -> global `[B, T]` arrays in `sharding`."""
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
-
-
-def evaluate(eval_step, state: TrainState, batches: list[dict[str, jax.Array]]) -> dict[str, Any]:
-  """Mean next-token loss over all masked tokens of `batches`, and expert load [L, X]."""
-  loss_sum, tokens, counts_LX = 0.0, 0.0, 0.0
-  for batch in batches:
-    out = jax.device_get(eval_step(state, batch))
-    loss_sum += float(out["loss_sum"])
-    tokens += float(out["tokens"])
-    counts_LX = counts_LX + np.asarray(out["expert_counts"], np.float64)
-  return {"loss": loss_sum / max(tokens, 1.0), "tokens": tokens,
-          "expert_load": np.asarray(expert_load(np.asarray(counts_LX))).tolist()}
 
 
 class _DataError(Exception):
@@ -152,20 +144,35 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
   watchdog = Watchdog(train.step_timeout_s)
   with watchdog.guard("restoring the newest checkpoint"):  # reads and collectives
     restored = ckpt.restore_latest(target, data_iter, cfg)
-  if restored is None:
+  if restored is None and train.init_from:  # a new run from another run's or an HF model
+    state, source = initial_state(train.init_from, cfg, tx, abstract_state, state_sharding)
+    latest = None
+    if is_main:
+      logging.info("initialised from %s (%s): %d parameters; optimizer and step fresh",
+                   train.init_from, source, sum(x.size for x in jax.tree.leaves(state.params)))
+  elif restored is None:
     state, latest = init_train_state(cfg.model, tx, train.seed, mesh), None
   else:
     state, latest, data_restored = restored
+    if train.init_from and is_main:
+      logging.info("train.init_from=%s ignored: resuming from checkpoint %d in %s",
+                   train.init_from, latest, ckpt.directory)
     if not data_restored:  # saved by another process count: the positions mean other documents
       data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                       seed=train.seed + latest, process_index=jax.process_index(),
                                       process_count=jax.process_count())
+    resumed = extend_schedule(ckpt.saved_config(latest)["train"], train, latest)
+    if schedule_horizon(resumed) != schedule_horizon(train):  # rebuilt before its first call
+      train_step = setup_training(cfg.model, resumed, mesh, cfg.balance,
+                                  fault_injection=bool(train.inject_nan_at_steps)).step
+    cfg = dataclasses.replace(cfg, train=resumed)  # saved with the checkpoints: the horizon
+    train = cfg.train
   step = int(state.step)
   metrics_path = os.path.join(workdir, METRICS_FILE)
   if step >= train.num_steps and is_main:
     logging.warning("checkpoint step %d >= train.num_steps=%d: nothing to train; raise "
-                    "--config.train.num_steps to continue (the cosine schedule stretches to it)",
-                    step, train.num_steps)
+                    "--config.train.num_steps to continue (see train.schedule_extend for the "
+                    "learning rate)", step, train.num_steps)
   times = {"compile": 0.0, "train": 0.0, "eval": 0.0, "checkpoint": 0.0, "train_tokens": 0}
   run_start = time.perf_counter()
   profile = accelerators.detect_profile()

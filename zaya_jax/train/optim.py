@@ -21,9 +21,10 @@ is orthogonalised on its own), the remaining axes form the reduction (input) gro
 output group in storage order, where adjacent head axes (`q_heads`/`kv_heads` and `head_dim`)
 fuse into one matrix dimension.
 
-Schedules (`train.schedule`), both with a linear warm-up from 0 over `train.warmup_steps`:
-  "cosine"  cosine decay to `peak * min_lr_ratio` at `num_steps`;
-  "wsd"     warm-up, stable at peak, then decay over the last `decay_fraction * num_steps`
+Schedules (`train.schedule`), both with a linear warm-up from 0 over `train.warmup_steps`,
+over the horizon `schedule_horizon(train)` (`train.schedule_steps`, 0 = `num_steps`):
+  "cosine"  cosine decay to `peak * min_lr_ratio` at the horizon;
+  "wsd"     warm-up, stable at peak, then decay over the last `decay_fraction * horizon`
             steps to `peak * min_lr_ratio`, linear or `1 - sqrt` (`train.decay_shape`).
 The Muon group uses the same shape scaled to `train.muon_lr`. Update k (1-based) uses the
 shape's value at k: the first update a warm-up fraction 1/warmup_steps of the peak (never 0),
@@ -85,27 +86,30 @@ def make_schedule(train: TrainConfig, peak: float | None = None) -> optax.Schedu
     peak * k / warmup_steps), then "cosine" to `peak * min_lr_ratio` at k = `num_steps`, or
     "wsd" constant until the last `wsd_decay_steps(train)` updates, which fall linearly (or
     as 1 - sqrt) to `peak * min_lr_ratio` at k = `num_steps`; constant after `num_steps`.
+    `num_steps` here is the horizon `schedule_horizon(train)` (`train.schedule_steps`, or
+    `train.num_steps` when that is 0).
   """
   shape = _schedule_shape(train, peak)
   return lambda step: shape(step + 1)
 
 
 def _schedule_shape(train: TrainConfig, peak: float | None) -> optax.Schedule:
-  """f(k) of `make_schedule`, in optax's convention: f(0) = 0, f(num_steps) = the end."""
+  """f(k) of `make_schedule`, in optax's convention: f(0) = 0, f(horizon) = the end."""
   peak = train.lr if peak is None else peak
+  horizon = schedule_horizon(train)
   end = peak * train.min_lr_ratio
   if train.schedule == "cosine":
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=peak,
         warmup_steps=train.warmup_steps,
-        decay_steps=train.num_steps,  # total length, warmup included (optax convention)
+        decay_steps=horizon,  # total length, warmup included (optax convention)
         end_value=end,
     )
   if train.schedule != "wsd":
     raise ValueError(f"train.schedule={train.schedule!r} must be 'cosine' or 'wsd'")
   decay_steps = wsd_decay_steps(train)
-  stable_steps = train.num_steps - train.warmup_steps - decay_steps
+  stable_steps = horizon - train.warmup_steps - decay_steps
   pieces, lengths = [], []
   if train.warmup_steps:
     pieces.append(optax.linear_schedule(0.0, peak, train.warmup_steps))
@@ -127,9 +131,15 @@ def _schedule_shape(train: TrainConfig, peak: float | None) -> optax.Schedule:
   return optax.join_schedules(pieces, boundaries=list(np.cumsum(lengths[:-1])))
 
 
+def schedule_horizon(train: TrainConfig) -> int:
+  """Updates over which the schedule runs (steps): `train.schedule_steps`, 0 = `num_steps`.
+  After it the learning rate stays at `peak * min_lr_ratio`."""
+  return train.schedule_steps or train.num_steps
+
+
 def wsd_decay_steps(train: TrainConfig) -> int:
-  """Steps of the "wsd" decay phase: `round(decay_fraction * num_steps)`."""
-  return int(round(train.decay_fraction * train.num_steps))
+  """Steps of the "wsd" decay phase: `round(decay_fraction * schedule_horizon(train))`."""
+  return int(round(train.decay_fraction * schedule_horizon(train)))
 
 
 def update_or_skip(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any,
@@ -359,7 +369,7 @@ def describe_optimizer(train: TrainConfig, params: nnx.State) -> str:
   """
   groups = param_groups(train, params)
   mask = {path_name(p): bool(m) for p, m in jax.tree_util.tree_leaves_with_path(decay_mask(params))}
-  sched = f"{train.schedule} (warmup {train.warmup_steps}, {train.num_steps} steps"
+  sched = f"{train.schedule} (warmup {train.warmup_steps}, {schedule_horizon(train)} steps"
   if train.schedule == "wsd":
     sched += f", {train.decay_shape} decay over the last {wsd_decay_steps(train)}"
   sched += f", final lr = peak * {train.min_lr_ratio:g})"

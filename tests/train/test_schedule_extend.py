@@ -1,0 +1,79 @@
+"""train.schedule_extend: resuming with another train.num_steps never silently jumps the lr.
+
+Unit tests of `extend_schedule` against `make_schedule` (the loop calls it with the saved
+`train` group right after restoring; the rebuilt step uses the returned config)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zaya_jax.config import ConfigError, TrainConfig
+from zaya_jax.train.optim import make_schedule
+from zaya_jax.train.schedule_extend import extend_schedule
+
+
+def _train(**kw):
+  return TrainConfig(**{"num_steps": 6, "warmup_steps": 1, "lr": 1e-3, "min_lr_ratio": 0.1, **kw})
+
+
+def _saved(train: TrainConfig) -> dict:
+  return dataclasses.asdict(train)
+
+
+def _lrs(train, steps):
+  sched = make_schedule(train)
+  return [float(sched(s)) for s in steps]
+
+
+def test_cosine_refuses_with_both_lrs():
+  old = _train()
+  final = _lrs(old, [6])[0]
+  stretched = _lrs(_train(num_steps=12), [6])[0]
+  with pytest.raises(ConfigError) as e:
+    extend_schedule(_saved(old), _train(num_steps=12), 6)
+  msg = str(e.value)
+  assert "train.num_steps 6 -> 12" in msg and f"{final:.3e} -> {stretched:.3e}" in msg
+  assert "schedule_extend=constant" in msg and "schedule_extend=stretch" in msg
+  assert abs(final - 1e-4) < 1e-9 and stretched > 2 * final  # the jump that used to be silent
+
+
+def test_constant_keeps_the_old_final_lr_and_survives_later_resumes():
+  old = _train()
+  new = extend_schedule(_saved(old), _train(num_steps=12, schedule_extend="constant"), 6)
+  assert new.schedule_steps == 6 and new.num_steps == 12
+  assert _lrs(new, range(6, 12)) == pytest.approx([1e-4] * 6, rel=1e-6)
+  assert _lrs(new, range(6)) == _lrs(old, range(6))
+  # A later resume of that run (same num_steps, default schedule_steps=0) keeps the horizon.
+  later = extend_schedule(_saved(new), _train(num_steps=12), 9)
+  assert later.schedule_steps == 6
+  # Extending again with "constant" still keeps the first horizon.
+  again = extend_schedule(_saved(new), _train(num_steps=20, schedule_extend="constant"), 12)
+  assert again.schedule_steps == 6
+
+
+def test_stretch_recomputes():
+  new = extend_schedule(_saved(_train()), _train(num_steps=12, schedule_extend="stretch"), 6)
+  assert new.schedule_steps == 0
+  assert _lrs(new, range(6, 12)) == _lrs(_train(num_steps=12), range(6, 12))
+
+
+def test_wsd_in_stable_phase_extends_continuously():
+  old = _train(schedule="wsd", num_steps=10, decay_fraction=0.2)  # decay over updates 9-10
+  new = extend_schedule(_saved(old), _train(schedule="wsd", num_steps=20, decay_fraction=0.2), 5)
+  assert new.num_steps == 20 and new.schedule_steps == 0
+  assert _lrs(old, [5]) == _lrs(new, [5]) == pytest.approx([1e-3])
+  assert _lrs(new, [15]) == pytest.approx([1e-3]) and _lrs(new, [19])[0] < 1e-3
+  # In its decay phase the rate would change: refused.
+  with pytest.raises(ConfigError, match="train.num_steps 10 -> 20"):
+    extend_schedule(_saved(old), _train(schedule="wsd", num_steps=20, decay_fraction=0.2), 9)
+
+
+def test_unchanged_or_nothing_to_train_or_only_the_new_fields():
+  old = _train()
+  assert extend_schedule(_saved(old), _train(schedule_extend="stretch"), 3) == _train(
+      schedule_extend="stretch")
+  assert extend_schedule(_saved(old), _train(num_steps=3), 6) == _train(num_steps=3)
+  legacy = {k: v for k, v in _saved(old).items() if k not in ("schedule_steps", "schedule_extend")}
+  assert extend_schedule(legacy, _train(), 3) == _train()

@@ -1,0 +1,78 @@
+"""The learning-rate schedule of a resumed run whose `train.num_steps` differs from its
+checkpoint's (`train.schedule_extend`).
+
+The schedule's horizon (`optim.schedule_horizon`: `train.schedule_steps`, 0 = `num_steps`) is
+saved with every checkpoint's config. On resume, `extend_schedule` compares the next update's
+learning rate under the saved horizon and under the new one:
+  equal (relative 1e-6; e.g. "wsd" in its stable phase, whose decay moves to the new end):
+    the new horizon is taken, logged as one info line;
+  different, `schedule_extend="refuse"` (default): ConfigError naming both rates and the fixes;
+  "constant": the saved horizon is kept (`schedule_steps` set to it, so it survives later
+    resumes): the old schedule continues, at its final rate after its end;
+  "stretch": the schedule is recomputed over the new horizon, the jump is logged as a warning.
+A resume with the same `num_steps` and `schedule_steps=0` keeps the saved `schedule_steps`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from absl import logging
+
+from zaya_jax.config import ConfigError, TrainConfig
+from zaya_jax.train.optim import make_schedule, schedule_horizon
+
+RTOL = 1e-6  # relative difference of the two rates below which the resume is continuous
+
+
+def extend_schedule(saved_train: dict[str, Any], train: TrainConfig, step: int) -> TrainConfig:
+  """The TrainConfig a run resumed at `step` trains with: `train` with the horizon decided.
+
+  Args:
+    saved_train: the checkpoint's saved `train` config group (JSON dict; `schedule_steps`
+      absent in checkpoints written before it existed = 0).
+    train: the current run's training config.
+    step: the checkpoint's step (updates done); the next update's rate is compared.
+
+  Returns:
+    `train`, with `schedule_steps` set to the saved horizon when the old schedule is kept
+    (same num_steps, or "constant"); `train` itself when nothing changes.
+
+  Raises:
+    ConfigError: `schedule_extend="refuse"` and the next learning rate would change; names
+      train.num_steps, both rates and both fixes.
+  """
+  saved_num = int(saved_train["num_steps"])
+  saved_steps = int(saved_train.get("schedule_steps", 0) or 0)
+  old_horizon = saved_steps or saved_num
+  if step >= train.num_steps:  # nothing to train: the loop warns
+    return train
+  if train.num_steps == saved_num and not train.schedule_steps:
+    return dataclasses.replace(train, schedule_steps=saved_steps)  # the horizon survives
+  new_horizon = schedule_horizon(train)
+  if new_horizon == old_horizon:
+    return train
+  old_lr = float(make_schedule(dataclasses.replace(train, schedule_steps=old_horizon))(step))
+  new_lr = float(make_schedule(dataclasses.replace(train, schedule_steps=new_horizon))(step))
+  change = f"train.num_steps {saved_num} -> {train.num_steps}"
+  if abs(new_lr - old_lr) <= RTOL * max(abs(old_lr), abs(new_lr)):
+    logging.info("%s at step %d: the %s schedule now runs over %d steps; the next lr is "
+                 "unchanged (%.3e)", change, step, train.schedule, new_horizon, new_lr)
+    return train
+  if train.schedule_extend == "constant":
+    logging.info("%s at step %d: train.schedule_extend=constant keeps the %d-step %s schedule "
+                 "(next lr %.3e; constant at its final value after step %d)", change, step,
+                 old_horizon, train.schedule, old_lr, old_horizon)
+    return dataclasses.replace(train, schedule_steps=old_horizon)
+  if train.schedule_extend == "stretch":
+    logging.warning("%s at step %d: train.schedule_extend=stretch recomputes the %s schedule "
+                    "over %d steps; the lr jumps %.3e -> %.3e", change, step, train.schedule,
+                    new_horizon, old_lr, new_lr)
+    return train
+  raise ConfigError(
+      f"{change} at step {step} would change the next learning rate {old_lr:.3e} -> "
+      f"{new_lr:.3e} (the {train.schedule} schedule's horizon {old_horizon} -> {new_horizon}); "
+      "pass --config.train.schedule_extend=constant to keep the old schedule and continue at "
+      "its final lr, or --config.train.schedule_extend=stretch to recompute the schedule over "
+      "the new num_steps (accepting the jump)")
