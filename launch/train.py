@@ -24,6 +24,9 @@ from zaya_jax.checkpoint import CorruptCheckpointError
 from zaya_jax.config import ConfigError
 from zaya_jax.train import run
 from zaya_jax.train.loop import TrainingError
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
@@ -82,5 +85,10 @@ def main(argv):
     sys.exit(f"training stopped: {e}")
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-train` (pyproject.toml): the same as `python -m launch.train`."""
   app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  run_main()
