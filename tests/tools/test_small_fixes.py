@@ -85,7 +85,7 @@ def test_describe_sharding_is_short():
   m = sharding.NamedShardingMetadata(shape=np.array([1, 2, 4]), axis_names=["data", "fsdp", "expert"],
                                      partition_spec=(None, "expert", ("data", "fsdp")))
   assert describe_sharding(m) == "mesh {data:1,fsdp:2,expert:4} P(None,'expert',('data','fsdp'))"
-  assert describe_sharding(sharding.SingleDeviceShardingMetadata(device_str="0")) == "device 0"
+  assert describe_sharding(sharding.SingleDeviceShardingMetadata(device_str="cpu:0")) == "device cpu:0"
   assert describe_sharding(None) == "none"
 
 
