@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags
 
-from zaya_jax.checkpoint import quiet_library_logs, reshape
+from zaya_jax.checkpoint import reshape
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -42,7 +42,6 @@ def main(argv):
     raise app.UsageError("nothing to do: pass --summary and/or --dst=NEW_WORKDIR")
   if _DST.value is None and (_DROP_OPTIMIZER.value or _DTYPE.value):
     raise app.UsageError("--drop_optimizer and --dtype need --dst=NEW_WORKDIR")
-  quiet_library_logs()
   try:
     if _SUMMARY.value:
       print(reshape.summarize(_SRC.value, _STEP.value))
