@@ -12,6 +12,9 @@ import sys
 from absl import app, flags
 
 from zaya_jax.perf import balance_report
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Comma-separated launch.train workdirs.")
 _FIRST = flags.DEFINE_integer("first", 200, "First step of the window (inclusive).")
@@ -32,5 +35,10 @@ def main(argv):
   print(balance_report.markdown_table(rows, _FIRST.value, _LAST.value))
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-balance-report` (pyproject.toml): the same as `python -m launch.balance_report`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

@@ -25,6 +25,9 @@ from zaya_jax.parallel import distributed
 from zaya_jax.parallel.mesh import use_cpu_devices
 from pallas_kernels import timing
 from zaya_jax.perf import collectives, nccl
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _OUT = flags.DEFINE_string("out", None, "Output folder for collectives.csv and collectives.png.")
 _COLLECTIVES = flags.DEFINE_list("collectives", list(nccl.COLLECTIVES),
@@ -83,5 +86,10 @@ def main(argv):
     sys.exit(wrong)
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-bench-collectives` (pyproject.toml): the same as `python -m launch.bench_collectives`."""
   app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  run_main()

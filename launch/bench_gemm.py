@@ -26,6 +26,9 @@ from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel import accelerators
 from zaya_jax.perf import gemm
 from pallas_kernels.timing import host_description
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config whose model GEMMs to add, e.g. configs/zaya1_base.py.",
@@ -93,5 +96,10 @@ def main(argv):
   gemm.write_report(results, _OUT.value, note, _LOW.value)
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-bench-gemm` (pyproject.toml): the same as `python -m launch.bench_gemm`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

@@ -18,6 +18,9 @@ from absl import app, flags
 from zaya_jax.parallel import accelerators
 from zaya_jax.perf import memory
 from pallas_kernels.timing import host_description
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _KERNELS = flags.DEFINE_list("kernels", list(memory.KERNELS), f"Any of {memory.KERNELS}.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", memory.DTYPES, "Element dtype.")
@@ -58,5 +61,10 @@ def main(argv):
     sys.exit(wrong)
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-bench-memory` (pyproject.toml): the same as `python -m launch.bench_memory`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

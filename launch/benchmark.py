@@ -23,6 +23,9 @@ from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError
 from zaya_jax.perf import benchmark
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/bench_cpu.py.", lock_config=True)
@@ -68,5 +71,10 @@ def main(argv):
     print(f"wrote {_OUT.value}")
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-benchmark` (pyproject.toml): the same as `python -m launch.benchmark`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

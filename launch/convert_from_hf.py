@@ -23,6 +23,9 @@ from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, resolve
 from zaya_jax.convert import ConvertError, runs
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training config to pair with, e.g. configs/zaya1_tiny.py.", lock_config=True)
@@ -46,5 +49,10 @@ def main(argv):
         "--config=<the same config and overrides>")
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-convert-from-hf` (pyproject.toml): the same as `python -m launch.convert_from_hf`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

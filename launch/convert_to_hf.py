@@ -17,6 +17,9 @@ import sys
 from absl import app, flags
 
 from zaya_jax.convert import ConvertError, runs
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (holds checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the latest).")
@@ -40,5 +43,10 @@ def main(argv):
   print(f"wrote {_OUT.value} from step {export.step} ({len(export.paths)} safetensors file(s))")
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-convert-to-hf` (pyproject.toml): the same as `python -m launch.convert_to_hf`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

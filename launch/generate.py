@@ -26,6 +26,9 @@ from absl import app, flags
 from zaya_jax.convert import ConvertError, load_pretrained, runs
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from zaya_jax.generate import generate
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (holds checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
@@ -119,5 +122,10 @@ def main(argv):
         f"token(s) per row; decode {speed} (first step incl. compile {out.first_step_s:.2f}s)")
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-generate` (pyproject.toml): the same as `python -m launch.generate`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

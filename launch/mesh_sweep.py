@@ -25,6 +25,9 @@ from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.perf import mesh_sweep
 from zaya_jax.config.mesh import parse_meshes
 from zaya_jax.parallel.mesh import use_cpu_devices
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
@@ -62,5 +65,10 @@ def main(argv):
                           batch_size=batch, seq_len=seq, note=note)
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-mesh-sweep` (pyproject.toml): the same as `python -m launch.mesh_sweep`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

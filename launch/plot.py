@@ -10,6 +10,9 @@ import sys
 from absl import app, flags
 
 from zaya_jax.perf import run_plots
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The --workdir of a launch.train run.")
 _OUT = flags.DEFINE_string("out", None, "Folder for the PNGs (default: WORKDIR/plots).")
@@ -28,5 +31,10 @@ def main(argv):
     print(path)
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-plot` (pyproject.toml): the same as `python -m launch.plot`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

@@ -19,7 +19,10 @@ import sys
 
 from absl import app, flags
 
-from zaya_jax.checkpoint import quiet_library_logs, reshape
+from zaya_jax.checkpoint import reshape
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _SRC = flags.DEFINE_string("src", None, "Training workdir, its checkpoints/ dir, or a step dir.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -39,7 +42,6 @@ def main(argv):
     raise app.UsageError("nothing to do: pass --summary and/or --dst=NEW_WORKDIR")
   if _DST.value is None and (_DROP_OPTIMIZER.value or _DTYPE.value):
     raise app.UsageError("--drop_optimizer and --dtype need --dst=NEW_WORKDIR")
-  quiet_library_logs()
   try:
     if _SUMMARY.value:
       print(reshape.summarize(_SRC.value, _STEP.value))
@@ -51,5 +53,10 @@ def main(argv):
     sys.exit(f"reshape_checkpoint: {e}")
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-reshape-checkpoint` (pyproject.toml): the same as `python -m launch.reshape_checkpoint`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

@@ -26,6 +26,9 @@ from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf import roofline
 from zaya_jax.parallel.accelerators import get_profile
 from zaya_jax.perf.gemm_table import GemmTable
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_base.py.", lock_config=True)
@@ -87,5 +90,10 @@ def main(argv):
   print(roofline.format_report(model_cfg, profile, est, violations))
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-sizing` (pyproject.toml): the same as `python -m launch.sizing`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

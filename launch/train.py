@@ -13,8 +13,10 @@ a shared filesystem: all of them write checkpoints, process 0 alone writes metri
 Intentionally short: all logic lives in `zaya_jax.parallel.distributed` and `zaya_jax.train.run`.
 """
 
+import re
 import sys
 
+import configs.base
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -22,13 +24,23 @@ from ml_collections import config_flags
 from zaya_jax.parallel import distributed
 from zaya_jax.checkpoint import CorruptCheckpointError
 from zaya_jax.config import ConfigError
+from zaya_jax.config.describe import describe, field_docs
 from zaya_jax.train import run
 from zaya_jax.train.loop import TrainingError
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
+    "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py. Override any field with "
+    "--config.<group>.<field>=VALUE (e.g. --config.train.lr=1e-3); --print_config lists them "
+    "all with their values and units.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Directory for checkpoints and metrics.jsonl; rerun to resume.")
+    "workdir", None, "Directory for checkpoints and metrics.jsonl; rerun to resume. Required "
+    "unless --print_config.")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print every config field (group.field = value  # unit and meaning, "
+    "'(overridden)' for --config.* flags) and exit; needs no --workdir.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "HOST:PORT of process 0, for a hand-started multi-process run.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -41,23 +53,68 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", distributed.HEARTBEAT_TIMEOUT_S,
     "Seconds without a heartbeat after which a process counts as dead and the others exit.")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["config"])
+
+
+def override_error(argv: list[str], error: Exception) -> str:
+  """One line for a `--config.*` override that config_flags rejected with `error`.
+
+  A misspelt field (ml_collections' `'\\'lrr\\' Did you mean "lr" instead of "lrr"?'`)
+  becomes `invalid config override --config.train.lrr: no field 'lrr' in train; did you mean
+  'lr'?`; any other message is flattened onto one line after `invalid config override: `.
+  """
+  text = str(error.args[0] if error.args else error).replace("\\'", "'").replace("\\n", " ")
+  text = " ".join(text.split())
+  key = re.search(r"'(\w+)'", text)
+  hint = re.search(r'Did you mean "(\w+)"', text)
+  if key and hint:
+    for arg in argv[1:]:
+      if not arg.startswith("--config."):
+        continue
+      path = arg[len("--config."):].split("=", 1)[0].split(".")
+      if key.group(1) in path:
+        parent = ".".join(path[:path.index(key.group(1))]) or "the config"
+        return (f"invalid config override --config.{'.'.join(path)}: no field "
+                f"'{key.group(1)}' in {parent}; did you mean '{hint.group(1)}'?")
+  return f"invalid config override: {text}"
 
 
 def parse_flags(argv):
-  """absl flag parsing, with a misspelt or mistyped `--config.*` override as one line."""
+  """absl flag parsing, with a misspelt or mistyped `--config.*` override as one line; a
+  missing --workdir (without --print_config) is a usage error."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as e:
     sys.exit(f"invalid flags: {e}\nSee --help.")
   except (KeyError, AttributeError, TypeError, ValueError) as e:  # raised by config_flags
-    msg = e.args[0] if e.args else str(e)
-    sys.exit(f"invalid config override: {msg}".replace("\\n", " ").replace("\n", " "))
+    sys.exit(override_error(argv, e))
+  if _WORKDIR.value is None and not _PRINT_CONFIG.value:
+    sys.exit("invalid flags: --workdir=DIR is required (or pass --print_config)\nSee --help.")
+  return rest
+
+
+def print_config() -> None:
+  """Prints `zaya_jax.config.describe` of the flag's config, comments from configs/base.py."""
+  overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  print(describe(_CONFIG.value, field_docs(configs.base.__file__), _flatten(overrides)))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _PRINT_CONFIG.value:
+    print_config()
+    return
   try:  # Before any JAX computation: the backend must not exist yet.
     method = distributed.maybe_initialize(
         _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
@@ -81,5 +138,10 @@ def main(argv):
     sys.exit(f"training stopped: {e}")
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-train` (pyproject.toml): the same as `python -m launch.train`."""
   app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  run_main()

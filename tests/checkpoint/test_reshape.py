@@ -127,7 +127,7 @@ def test_summary_lists_tensors_and_verifies(saved):
   assert "items: model, opt_state, train_meta, data_iter, config, integrity" in lines
   assert "train_meta: consecutive_skips=1, rng=[7, 11], skipped_steps=1, step=2" in lines
   assert ("  layers.mlp.experts.w_gate.value  shape=(2, 4, 32, 32)  dtype=float32  "
-          "sharding=SingleDeviceShardingMetadata(device_str=cpu:0)  bytes=32768") in lines
+          "sharding=device cpu:0  bytes=32768") in lines
   assert any(l.startswith("  1.0.mu.layers.mlp.experts.w_down.value  shape=(2, 4, 32, 32)")
              for l in lines)
   assert any(l.startswith("  total model: 37 tensors, ") for l in lines)
@@ -158,7 +158,7 @@ def test_cli_prints_summary_then_refuses_existing_dst(saved, tmp_path):
       timeout=300)
   assert proc.returncode == 1, proc.stderr[-4000:]
   assert ("  layers.mlp.experts.w_up.value  shape=(2, 4, 32, 32)  dtype=float32  "
-          "sharding=SingleDeviceShardingMetadata(device_str=cpu:0)  bytes=32768") in proc.stdout
+          "sharding=device cpu:0  bytes=32768") in proc.stdout
   assert "checksums model: verified (37 tensors, 24 (layer, expert) slices)" in proc.stdout
   assert proc.stderr.strip().splitlines()[-1].startswith(
       f"reshape_checkpoint: --dst={dst}: {dst}/checkpoints already holds ['1', '2', '3']; "

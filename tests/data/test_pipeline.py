@@ -427,7 +427,8 @@ def test_errors_name_the_field(tmp_path):
   raises(r"data\.tokenizer=.*special tokens", data.load_tokenizer,
          data.DataConfig(tokenizer=no_specials))
   (tmp_path / "b.jsonl").write_text('{"text": "hi"}\n')
-  raises(r"data\.eval_fraction=0\.0 leaves the eval split.*empty", data.make_eval_batches,
+  raises(r"data\.eval_fraction=0 holds out no document of data\.source=.*set "
+         r"data\.eval_fraction > 0", data.make_eval_batches,
          data.DataConfig(source=f"{tmp_path}/b.jsonl", eval_fraction=0.0),
          seq_len=8, batch_size=1, max_batches=1)
   raises(r"data\.eval_fraction=1\.5", data.DataConfig, eval_fraction=1.5)

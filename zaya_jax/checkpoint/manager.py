@@ -18,12 +18,12 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from zaya_jax.checkpoint import integrity
 from zaya_jax.config import RunConfig
+from zaya_jax.logs import quiet_third_party
 
 ITEMS = ("model", "opt_state", "train_meta", "data_iter", "config", "integrity")
 ARRAY_ITEMS = ("model", "opt_state", "train_meta")
@@ -213,18 +213,7 @@ def all_processes_ok(ok: bool) -> bool:
   return bool(np.all(flags))
 
 
-class _QuietLibraries(std_logging.Filter):
-  """Drops INFO/DEBUG records of Orbax, Grain and JAX internals (dozens of lines per save), so
-  the training log shows one line per `log_every` steps; their warnings and errors pass."""
-
-  _NOISY = (os.sep + "orbax" + os.sep, os.sep + "grain" + os.sep, os.sep + "jax" + os.sep)
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.levelno >= std_logging.WARNING or not any(n in record.pathname for n in self._NOISY)
-
-
 def quiet_library_logs() -> None:
-  """Installs `_QuietLibraries` on the absl handler (idempotent)."""
-  handler = logging.get_absl_handler()
-  if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
-    handler.addFilter(_QuietLibraries())
+  """Alias of `zaya_jax.logs.quiet_third_party` (JAX/Orbax/Grain INFO and known-harmless
+  warnings off; idempotent), kept for existing callers."""
+  quiet_third_party()

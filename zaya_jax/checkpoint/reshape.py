@@ -100,6 +100,28 @@ def _target_from_metadata(tree_metadata: Any) -> Any:
                       tree_metadata)
 
 
+def describe_sharding(m: Any) -> str:
+  """A short text for Orbax's saved sharding metadata of one array.
+
+  `NamedShardingMetadata` -> `mesh {data:1,fsdp:2,expert:4} P(None,'expert')` (the mesh axes
+  and sizes, then the partition spec); `SingleDeviceShardingMetadata` -> `device 0`; None
+  (no sharding saved) -> `none`; anything else -> its `str`.
+  """
+  if m is None:
+    return "none"
+  names, spec = getattr(m, "axis_names", None), getattr(m, "partition_spec", None)
+  if names is not None and spec is not None:
+    sizes = np.asarray(m.shape).reshape(-1).tolist()
+    mesh = ",".join(f"{n}:{s}" for n, s in zip(names, sizes))
+    parts = ",".join(repr(p) if not isinstance(p, (list, tuple)) else
+                     "(" + ",".join(repr(q) for q in p) + ")" for p in spec)
+    return f"mesh {{{mesh}}} P({parts})"
+  device = getattr(m, "device_str", None)
+  if device is not None:
+    return f"device {device}"
+  return str(m)
+
+
 def _nbytes(shape, dtype) -> int:
   return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
@@ -120,7 +142,8 @@ def _verify_item(manager: ocp.CheckpointManager, step: int, item: str, tree_meta
 def summarize(src: str, step: int | None = None, verify: bool = True) -> str:
   """A readable description of one checkpoint step.
 
-  Lists every tensor of the array items (path, shape, dtype, sharding as saved by Orbax,
+  Lists every tensor of the array items (path, shape, dtype, sharding as saved by Orbax in
+  `describe_sharding`'s form,
   bytes), totals per item (logical and on disk), the train_meta values, the config's
   "runtime" and "reshape" records, the data iterator files, and whether the checksums verify
   (each checksummed item is restored onto the CPU, verified and freed in turn).
@@ -168,7 +191,7 @@ def summarize(src: str, step: int | None = None, verify: bool = True) -> str:
         n = _nbytes(m.shape, m.dtype)
         total += n
         lines.append(f"  {name}  shape={tuple(m.shape)}  dtype={np.dtype(m.dtype).name}  "
-                     f"sharding={m.sharding}  bytes={n}")
+                     f"sharding={describe_sharding(m.sharding)}  bytes={n}")
       lines.append(f"  total {item}: {len(leaves)} tensors, {total} bytes "
                    f"({total / 2**20:.2f} MiB), {_disk_bytes(os.path.join(where, item))} bytes "
                    "on disk")

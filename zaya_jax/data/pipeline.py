@@ -186,21 +186,40 @@ def carry_position(state: dict, saved_seq_len: int, seq_len: int, document_lengt
           "elements_from_buffer_after_checkpoint": 0}
 
 
+def empty_split_message(cfg: DataConfig, split: str, num_documents: int) -> str:
+  """The advice for an empty `split` ("train" | "eval") of `num_documents` documents.
+
+  A document is held out when a hash of its id falls below data.eval_fraction, so a small
+  corpus can hold out none even with eval_fraction > 0: the message then says so, how many
+  held-out documents that fraction expects, and the fixes (a larger fraction, more documents,
+  or train.eval_batches=0 to train without evaluation).
+  """
+  where = f"data.source={cfg.source!r} ({num_documents} documents)"
+  if split == "train":
+    return (f"data.eval_fraction={cfg.eval_fraction} holds out every document of {where}, "
+            "leaving the train split empty; lower data.eval_fraction or add documents.")
+  if cfg.eval_fraction == 0:
+    return (f"data.eval_fraction=0 holds out no document of {where} for evaluation; set "
+            "data.eval_fraction > 0 (e.g. 0.02) or train.eval_batches=0 (no evaluation).")
+  suggest = min(0.5, max(2.0 * cfg.eval_fraction, 3.0 / max(num_documents, 1)))
+  return (f"data.eval_fraction={cfg.eval_fraction} held out none of the {num_documents} "
+          f"documents of data.source={cfg.source!r} (expected about "
+          f"{cfg.eval_fraction * num_documents:.2g}: the corpus is too small for that "
+          f"fraction); raise data.eval_fraction (e.g. {suggest:.2g}), add documents, or set "
+          "train.eval_batches=0 to train without evaluation.")
+
+
 def _split_for_process(
     cfg: DataConfig, *, split: str, process_index: int, process_count: int
 ) -> list[sources.DocumentRef]:
   """This process's documents of one split: refs[process_index::process_count]."""
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
-  train, held_out = sources.split_documents(sources.list_documents(cfg), cfg.eval_fraction)
+  documents = sources.list_documents(cfg)
+  train, held_out = sources.split_documents(documents, cfg.eval_fraction)
   refs = train if split == "train" else held_out
   if not refs:
-    raise ValueError(
-        f"data.eval_fraction={cfg.eval_fraction} leaves the {split} split of "
-        f"data.source={cfg.source!r} empty; "
-        + ("set data.eval_fraction > 0 or add documents." if split == "eval" else
-           "lower data.eval_fraction or add documents.")
-    )
+    raise ValueError(empty_split_message(cfg, split, len(documents)))
   shard = refs[process_index::process_count]
   if not shard:
     raise ValueError(

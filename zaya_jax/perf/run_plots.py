@@ -77,6 +77,24 @@ def _skipped_steps(records: list[dict]) -> list[float]:
   return rises[:200]
 
 
+def balance_target(load_LX: np.ndarray) -> float:
+  """The balancing target of each expert as a fraction of all of a layer's tokens, averaged
+  over layers: 1/E of the expert-routed tokens, i.e. (1 - skip share) / E, with the skip
+  class last in `load_LX` [L, E+1] (fractions of each layer's tokens). NaN if no data."""
+  num_experts = load_LX.shape[1] - 1
+  if num_experts < 1 or not np.isfinite(load_LX).any():
+    return float("nan")
+  return float(np.nanmean((1.0 - load_LX[:, -1]) / num_experts))
+
+
+def balance_target_text(load_LX: np.ndarray) -> str:
+  """`target 1/E = 0.125 of expert-routed tokens (0.123 of all at skip 0.016)`: the title note."""
+  num_experts = load_LX.shape[1] - 1
+  skip = float(np.nanmean(load_LX[:, -1])) if np.isfinite(load_LX).any() else float("nan")
+  return (f"target 1/E = {1 / max(num_experts, 1):.3f} of expert-routed tokens "
+          f"({balance_target(load_LX):.3f} of all at skip {skip:.3f})")
+
+
 def plot_expert_load(load_LX: np.ndarray, steps: list[int], path: str, title: str) -> None:
   """Writes `path`: heat map of `load_LX` (fraction of tokens, skip class last)."""
   num_layers, num_classes = load_LX.shape
@@ -99,7 +117,7 @@ def plot_expert_load(load_LX: np.ndarray, steps: list[int], path: str, title: st
               color="black" if value > 0.6 * top else "white")
   span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
   ax.set_title(f"{title}\nmean expert load over {len(steps)} train records ({span}); "
-               f"uniform = {1 / num_classes:.3f}", fontsize=9)
+               f"{balance_target_text(load_LX)}", fontsize=9)
   report.save_figure(fig, path)
 
 
