@@ -77,3 +77,43 @@ def test_unchanged_or_nothing_to_train_or_only_the_new_fields():
   assert extend_schedule(_saved(old), _train(num_steps=3), 6) == _train(num_steps=3)
   legacy = {k: v for k, v in _saved(old).items() if k not in ("schedule_steps", "schedule_extend")}
   assert extend_schedule(legacy, _train(), 3) == _train()
+
+
+@pytest.mark.slow
+def test_resumed_run_through_the_loop(tmp_path):
+  """End to end through `run`: a finished 6-step cosine run resumed with num_steps=9 is
+  refused (nothing written), then "constant" trains steps 7-9 at the old final lr and
+  "stretch" (on a copy) at the schedule recomputed over 9 steps."""
+  import shutil  # pylint: disable=import-outside-toplevel
+
+  from tests.train.inproc import tiny_run_config  # pylint: disable=import-outside-toplevel
+  from zaya_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from zaya_jax.config import resolve  # pylint: disable=import-outside-toplevel
+  from zaya_jax.train import run  # pylint: disable=import-outside-toplevel
+  from zaya_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+
+  work, copy = tmp_path / "a", tmp_path / "b"
+  run(tiny_run_config(), str(work))
+  shutil.copytree(work, copy)
+  with pytest.raises(ConfigError, match=r"train.num_steps 6 -> 9 at step 6 .*schedule_extend=constant"):
+    run(tiny_run_config(num_steps=9), str(work))
+  assert sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())[-1] == 6
+
+  def lrs(workdir):
+    return {r["step"]: r["lr"] for r in read_metrics(str(workdir)) if r["kind"] == "train"}
+
+  run(tiny_run_config(num_steps=9, schedule_extend="constant"), str(work))
+  cfg = resolve(tiny_run_config()).train
+  final = cfg.lr * cfg.min_lr_ratio
+  got = lrs(work)
+  assert got[6] == pytest.approx(final, rel=1e-6)
+  assert [got[s] for s in (7, 8, 9)] == pytest.approx([final] * 3, rel=1e-6)
+  # The horizon is saved: the checkpoint of step 9 keeps schedule_steps=6.
+  ckpt = Checkpointer(str(work / "checkpoints"), resolve(tiny_run_config()).checkpoint)
+  assert ckpt.saved_config(9)["train"]["schedule_steps"] == 6
+  ckpt.close()
+
+  run(tiny_run_config(num_steps=9, schedule_extend="stretch"), str(copy))
+  want = _lrs(dataclasses.replace(cfg, num_steps=9), [6, 7, 8])  # updates 7, 8, 9
+  assert [lrs(copy)[s] for s in (7, 8, 9)] == pytest.approx(want, rel=1e-6)
+  assert want[0] > 2 * final  # the jump "stretch" accepts
