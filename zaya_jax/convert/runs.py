@@ -333,10 +333,10 @@ def export_run(workdir: str, out_dir: str, step: int | None = None, dtype: str =
       tokenizer, tok_paths = None, []
   except OSError as e:
     raise ConvertError(f"cannot write --out={out_dir}: {e}") from e
-  size_gb = sum(os.path.getsize(p) for p in paths) / 1e9
-  logging.info("exported step %d of %s to %s in %.1f s: %.4gM parameters, %.3f GB %s in %d "
+  size_mb = sum(os.path.getsize(p) for p in paths) / 1e6
+  logging.info("exported step %d of %s to %s in %.1f s: %.4gM parameters, %.1f MB %s in %d "
                "safetensors file(s); tokenizer: %s", step, workdir, out_dir,
-               time.perf_counter() - start, count_params(model.cfg).total / 1e6, size_gb, dtype,
+               time.perf_counter() - start, count_params(model.cfg).total / 1e6, size_mb, dtype,
                len(paths), "byte-level tokenizer.json" if tokenizer == "byte" else
                (tokenizer or "none"))
   return Export(step, paths, tokenizer, tok_paths)
