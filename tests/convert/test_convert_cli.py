@@ -219,3 +219,20 @@ def test_progress_bar_only_when_asked(tmp_path, capfd):
   save_pretrained(random_model(cfg, seed=1), str(tmp_path / "bar"), progress=True)
   err = capfd.readouterr().err
   assert f"writing {tmp_path / 'bar'}" in err and "100%" in err, err
+
+
+def test_tokenizer_that_does_not_fit_config_json_is_one_error(tmp_path):
+  """Unit: HF_DIR/tokenizer.json whose eos id is not config.json's: a ConvertError that
+  names the tokenizer and asks for another one (not for a model override it would refuse)."""
+  from zaya_jax.convert import runs  # pylint: disable=import-outside-toplevel
+
+  write_hf_dir(tmp_path / "hf")
+  with open(tmp_path / "hf" / "config.json") as f:
+    hf_config = json.load(f)
+  hf_config["eos_token_id"] = 5
+  with open(tmp_path / "hf" / "config.json", "w") as f:
+    json.dump(hf_config, f)
+  with pytest.raises(ConvertError, match=r"does not fit .*eos_token_id=5 but the tokenizer's "
+                     r"eos_id is 2.*pass --config.data.tokenizer=PATH"):
+    runs.new_run_from_hf(base.get_config(), str(tmp_path / "hf"), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()

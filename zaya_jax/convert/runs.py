@@ -218,10 +218,14 @@ def new_run_from_hf(config: ml_collections.ConfigDict, hf_dir: str, workdir: str
   try:
     cfg = resolve(config)
   except ConfigError as e:
-    hint = "" if source or "data.tokenizer" in explicit else (
-        f" ({hf_dir} has no tokenizer.json: pass --config.data.tokenizer=PATH, the checkpoint's "
-        "tokenizer.json)")
-    raise ConvertError(f"invalid config with the model of {hf_dir}/config.json: {e}{hint}") from e
+    if "_token_id=" in str(e) or "model.vocab_size" in str(e):  # the tokenizer does not fit
+      where = source or config.data.tokenizer
+      raise ConvertError(
+          f"the tokenizer {where!r} does not fit {hf_dir}/config.json ({str(e).split('; set')[0]}); "
+          "the model's vocabulary and special ids are config.json's: pass "
+          "--config.data.tokenizer=PATH, a tokenizer.json whose <bos>/<eos>/<pad> tokens have "
+          "those ids") from e
+    raise ConvertError(f"invalid config with the model of {hf_dir}/config.json: {e}") from e
   if source is not None:
     copy = os.path.join(os.path.abspath(workdir), "tokenizer.json")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=copy))
