@@ -159,6 +159,9 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str,
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConvertError(f"--workdir={workdir} exists and is not a directory; pass a fresh --workdir")
   ckpt_dir = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if os.path.isdir(ckpt_dir) else []
+  if steps:  # refused before an Orbax manager (and its threads) exists
+    raise ConvertError(f"{ckpt_dir} already holds checkpoint step {steps[-1]}; pass a fresh --workdir")
   try:
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
   except (OSError, ValueError) as e:
