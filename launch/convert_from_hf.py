@@ -1,52 +1,61 @@
 """Import a Hugging Face `ZayaForCausalLM` directory as step 0 of a training run.
 
-  python -m launch.convert_from_hf --hf_dir=HF_DIR --workdir=DIR --config=configs/zaya1_tiny.py
-  python -m launch.train --workdir=DIR --config=configs/zaya1_tiny.py   # resumes from it
+  python -m launch.convert_from_hf --hf_dir=HF_DIR --workdir=DIR [--config=configs/X.py]
+  python -m launch.train --config=DIR/config.py --workdir=DIR   # trains on from it
 
-The `--config` (with the same `--config.*` overrides as launch.train) is the training config
-to pair with: its model group must describe the same architecture as HF_DIR/config.json (an
-error names the differing fields; compute-only fields and skip_mode are free). Writes a step-0
-checkpoint in the training layout: the HF parameters and balancing biases, fresh optimizer
-moments, the run's seed, a fresh data iterator, and the resolved config. Run it as a single
-process, then resume with the same process count (the data iterator position is per process).
+The model config comes from HF_DIR/config.json, the checkpoint's architecture (as MaxText and
+torchtitan do): one line lists the fields where `--config` (default configs/base.py) said
+otherwise. `--config` and its `--config.*` overrides supply the training settings (train,
+data, checkpoint, mesh, balance) and the compute-only model fields (dtype, remat, scan_layers,
+*_impl, ...); an explicit `--config.model.*` override that disagrees with config.json is an
+error naming every such field. The tokenizer is HF_DIR/tokenizer.json when there is one
+(copied to DIR/tokenizer.json; `--config.data.tokenizer=...` overrides it), and the special
+token ids are config.json's.
+
+Writes DIR/checkpoints/0 in the training layout (the HF parameters and balancing biases, fresh
+optimizer moments, the run's seed, a fresh data iterator, the resolved config) and
+DIR/config.py, the full config to train with. Run it as a single process, then train with the
+same process count (the data iterator position is per process).
 
 Memory: about twice the float32 parameter bytes (`zaya_jax.convert.runs.import_to_run`);
 tests/convert/measure_import_memory.py measures it on a 0.3 GB model. Bad input (no such
---hf_dir, a config.json or checkpoint that does not fit the config, a --workdir that already
-holds a checkpoint) exits non-zero with one line naming the problem.
+--hf_dir, a checkpoint that does not fit config.json, a --workdir that already holds a
+checkpoint) exits non-zero with one line naming the problem.
 """
 
+import os
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from zaya_jax.config import ConfigError, resolve
+from zaya_jax.checkpoint import quiet_library_logs
 from zaya_jax.convert import ConvertError, runs
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
+BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "configs", "base.py")
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Training config to pair with, e.g. configs/zaya1_tiny.py.", lock_config=True)
+    "config", BASE_CONFIG, "Training settings (the model comes from HF_DIR/config.json); "
+    "default configs/base.py.", lock_config=True)
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Local transformers save_pretrained directory.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "New run directory (must hold no checkpoint).")
-flags.mark_flags_as_required(["config", "hf_dir", "workdir"])
+flags.mark_flags_as_required(["hf_dir", "workdir"])
 
 
 def main(argv):
+  quiet_library_logs()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  explicit = config_flags.get_override_values(flags.FLAGS["config"])
   try:
-    cfg = resolve(_CONFIG.value)
-  except ConfigError as e:
-    sys.exit(f"invalid config: {e}")
-  try:
-    ckpt_dir = runs.import_to_run(cfg, _HF_DIR.value, _WORKDIR.value)
+    run = runs.new_run_from_hf(_CONFIG.value, _HF_DIR.value, _WORKDIR.value, explicit)
   except ConvertError as e:
     sys.exit(str(e))
-  print(f"wrote {ckpt_dir}/0; resume with: python -m launch.train --workdir={_WORKDIR.value} "
-        "--config=<the same config and overrides>")
+  print(f"wrote {run.checkpoint_dir}/0 and {run.config_file}; train with: python -m "
+        f"launch.train --config={run.config_file} --workdir={_WORKDIR.value}")
 
 
 def run_main():

@@ -4,9 +4,12 @@
       [--step=N] [--dtype=bfloat16|float32] [--max_shard_size=5GB]
 
 Reads the run config saved with the checkpoint, restores only the `model` item onto one CPU
-device, and writes config.json, generation_config.json and safetensors via
-`zaya_jax.convert.runs.export_run` (plus tokenizer.json when the run's data.tokenizer is a file).
-Load it with `transformers.ZayaForCausalLM.from_pretrained(out)`. Caveats (warned about):
+device, and writes config.json, generation_config.json and safetensors (mode 0644 under umask
+022; a progress bar on a terminal or above 2 GB) via `zaya_jax.convert.runs.export_run`, and
+the tokenizer files `transformers.AutoTokenizer.from_pretrained(out)` loads: tokenizer.json
+(the run's, or for data.tokenizer="byte" an equivalent byte-level one), tokenizer_config.json
+(PreTrainedTokenizerFast, the special tokens at the model's ids) and special_tokens_map.json.
+Load the model with `transformers.ZayaForCausalLM.from_pretrained(out)`. Caveats (warned about):
 transformers zeroes skipped tokens (skip_mode "zero"), and transformers 5.23 resets each
 router's skip balancing bias to -1 on load. A missing --workdir or --step, or an unreadable
 checkpoint, exits non-zero with one line naming it (and the steps that exist).
@@ -16,6 +19,7 @@ import sys
 
 from absl import app, flags
 
+from zaya_jax.checkpoint import quiet_library_logs
 from zaya_jax.convert import ConvertError, runs
 from zaya_jax.logs import quiet_third_party
 
@@ -30,6 +34,7 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 
 def main(argv):
+  quiet_library_logs()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
@@ -40,7 +45,9 @@ def main(argv):
     export = runs.export_run(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value, max_shard)
   except ConvertError as e:
     sys.exit(str(e))
-  print(f"wrote {_OUT.value} from step {export.step} ({len(export.paths)} safetensors file(s))")
+  tokenizer = "no tokenizer" if export.tokenizer is None else "tokenizer files"
+  print(f"wrote {_OUT.value} from step {export.step} ({len(export.paths)} safetensors file(s), "
+        f"{tokenizer})")
 
 
 def run_main():

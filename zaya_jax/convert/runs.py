@@ -1,8 +1,12 @@
 """A training run's checkpoint <-> a Hugging Face directory (`launch.convert_{from,to}_hf`).
 
-`import_to_run(cfg, hf_dir, workdir)` writes step 0 of a run in the training layout: the HF
-parameters and balancing biases, fresh optimizer moments, the run's seed, a fresh data
-iterator and the resolved config. Everything is built in host memory, one parameter at a
+`new_run_from_hf(config, hf_dir, workdir)` is `launch.convert_from_hf`: the model config from
+`HF_DIR/config.json` (`zaya_jax.hf.run_config.apply_hf_model`), the tokenizer from
+`HF_DIR/tokenizer.json` when there is one (copied into the workdir), the training settings
+from `config`; it writes `workdir/config.py` for `launch.train --config=`. `import_to_run(cfg,
+hf_dir, workdir)` writes step 0 of a run in the training layout: the HF parameters and
+balancing biases, fresh optimizer moments, the run's seed, a fresh data iterator and the
+resolved config. Everything is built in host memory, one parameter at a
 time (`load_pretrained`), and the all-zero optimizer moments share one zeros buffer per
 distinct shape (`fresh_opt_state`), so about twice the float32 parameter bytes are held when
 the checkpoint write starts; the write's own buffers (checksums, Orbax) come on top. The log
@@ -10,8 +14,9 @@ reports the peak RSS after each phase (tests/convert/measure_import_memory.py me
 
 `load_run_model(workdir, step, sharding)` reads the run config saved with a checkpoint and
 restores only its `model` item; `export_run(workdir, out_dir, ...)` does so onto one CPU device
-and writes it with `save_pretrained` (plus tokenizer.json when the run's data.tokenizer is a
-file).
+and writes it with `save_pretrained`, plus the tokenizer files `AutoTokenizer` loads
+(`zaya_jax.hf.hf_tokenizer`): the run's tokenizer.json, or its byte-level equivalent for
+`data.tokenizer="byte"`.
 
 Bad input raises `ConvertError` with one line naming it (and the fix, or the steps that exist).
 """
@@ -22,21 +27,28 @@ import dataclasses
 import os
 import re
 import resource
+import shutil
+import time
+from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 from absl import logging
 from flax import nnx
 
 from zaya_jax.checkpoint import (Checkpointer, find_run_checkpoint, restore_model_state,
                                  saved_model_config)
-from zaya_jax.config import RunConfig
+from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.hf.export_hf import save_pretrained, skip_can_win
 from zaya_jax.hf.hf_config import ConvertError, architecture_differences, read_hf_config
+from zaya_jax.hf.hf_tokenizer import byte_tokenizer_json, write_tokenizer_files
 from zaya_jax.hf.import_hf import load_pretrained
+from zaya_jax.hf.run_config import apply_hf_model, hf_tokenizer_file, render_config_py
 from zaya_jax.data import make_train_iterator
 from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.model.sizing import count_params
 from zaya_jax.parallel.mesh import abstract_with_shardings
 from zaya_jax.train import TrainState, make_optimizer
 from zaya_jax.train.balance import init_balance_state
@@ -116,7 +128,8 @@ def _write_step0(cfg: RunConfig, hf_dir: str, ckpt: Checkpointer) -> None:
     ckpt.save(state, data_iter, cfg)
 
 
-def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str) -> str:
+def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str,
+                  tokenizer_source: str | None = None) -> str:
   """Writes `hf_dir` (a transformers save_pretrained directory) as step 0 of a run in `workdir`.
 
   `cfg` is the training config to pair with: its model group must describe the same
@@ -124,6 +137,12 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str) -> str:
   as a single process, then resume with the same process count (the data iterator position
   is per process).
 
+  Args:
+    cfg: the resolved run config (saved with the checkpoint).
+    hf_dir: the HF directory.
+    workdir: a new run directory.
+    tokenizer_source: a tokenizer.json copied to `cfg.data.tokenizer` once the checks pass
+      (before the data iterator reads it); None = `cfg.data.tokenizer` is used as it is.
   Returns:
     The checkpoint directory, `workdir/checkpoints` (holding step 0).
   Raises:
@@ -131,6 +150,7 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str) -> str:
       differs (all are named); a `workdir` that is a file or already holds a checkpoint; a
       checkpoint whose tensors do not fit. Nothing is written before the checks pass.
   """
+  start = time.perf_counter()
   hf_cfg = read_hf_config(hf_dir)
   diffs = architecture_differences(cfg.model, hf_cfg, hf_dir)
   if diffs:
@@ -139,6 +159,9 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str) -> str:
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConvertError(f"--workdir={workdir} exists and is not a directory; pass a fresh --workdir")
   ckpt_dir = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if os.path.isdir(ckpt_dir) else []
+  if steps:  # refused before an Orbax manager (and its threads) exists
+    raise ConvertError(f"{ckpt_dir} already holds checkpoint step {steps[-1]}; pass a fresh --workdir")
   try:
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
   except (OSError, ValueError) as e:
@@ -147,12 +170,82 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str) -> str:
     latest = ckpt.latest_step()
     if latest is not None:
       raise ConvertError(f"{ckpt_dir} already holds checkpoint step {latest}; pass a fresh --workdir")
+    if tokenizer_source is not None:
+      shutil.copyfile(tokenizer_source, cfg.data.tokenizer)
     _write_step0(cfg, hf_dir, ckpt)
   finally:
     ckpt.close()
-  logging.info("wrote step-0 checkpoint of %s to %s; peak RSS %.3f GB", hf_dir, ckpt_dir,
-               peak_rss_gb())
+  logging.info("wrote the step-0 checkpoint to %s in %.1f s; peak RSS %.3f GB", ckpt_dir,
+               time.perf_counter() - start, peak_rss_gb())
   return ckpt_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportedRun:
+  """What `new_run_from_hf` wrote: the `checkpoint_dir` (holding step 0), the `config_file`
+  to train with (`launch.train --config=config_file`), the run config, and the model fields
+  that config.json replaced in the given config (`replaced`, "field old -> new")."""
+
+  checkpoint_dir: str
+  config_file: str
+  config: RunConfig
+  replaced: list[str]
+
+
+def new_run_from_hf(config: ml_collections.ConfigDict, hf_dir: str, workdir: str,
+                    explicit: Collection[str] = ()) -> ImportedRun:
+  """Imports `hf_dir` as step 0 of a new run in `workdir`, its model config from config.json.
+
+  The model group of `config` is replaced by `hf_dir/config.json`'s architecture
+  (`apply_hf_model`: one log line lists the fields it changed; explicit command-line model
+  overrides that disagree are an error). If `hf_dir/tokenizer.json` exists and
+  `data.tokenizer` was not set on the command line, it is copied to `workdir/tokenizer.json`
+  and becomes the run's `data.tokenizer`. Writes `workdir/config.py`, the full config, last.
+
+  Args:
+    config: the run ConfigDict (the training settings; modified in place).
+    hf_dir: a transformers save_pretrained directory.
+    workdir: a new run directory.
+    explicit: the `group.field` paths set on the command line (`get_override_values`).
+  Raises:
+    ConvertError: as `import_to_run` and `apply_hf_model`, or a config that does not resolve
+      with the checkpoint's model (the field and the fix are named).
+  """
+  replaced = apply_hf_model(config, hf_dir, explicit)
+  if replaced:
+    logging.info("model config from %s/config.json (the checkpoint's architecture wins over "
+                 "--config for %d field(s)): %s", hf_dir, len(replaced), "; ".join(replaced))
+  source = hf_tokenizer_file(hf_dir) if "data.tokenizer" not in explicit else None
+  if source is not None:
+    config.data.tokenizer = source
+  try:
+    cfg = resolve(config)
+  except ConfigError as e:
+    if "_token_id=" in str(e) or "model.vocab_size" in str(e):  # the tokenizer does not fit
+      where = source or config.data.tokenizer
+      raise ConvertError(
+          f"the tokenizer {where!r} does not fit {hf_dir}/config.json ({str(e).split('; set')[0]}); "
+          "the model's vocabulary and special ids are config.json's: pass "
+          "--config.data.tokenizer=PATH, a tokenizer.json whose <bos>/<eos>/<pad> tokens have "
+          "those ids") from e
+    raise ConvertError(f"invalid config with the model of {hf_dir}/config.json: {e}") from e
+  if source is not None:
+    copy = os.path.join(os.path.abspath(workdir), "tokenizer.json")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=copy))
+    config.data.tokenizer = copy
+  counts = count_params(cfg.model)
+  m = cfg.model
+  logging.info("importing %s: %.4gM parameters (%.4gM active), L=%d D=%d E=%d V=%d; tokenizer %s",
+               hf_dir, counts.total / 1e6, counts.active / 1e6, m.num_layers, m.hidden_size,
+               m.num_experts, m.vocab_size, source or cfg.data.tokenizer)
+  ckpt_dir = import_to_run(cfg, hf_dir, workdir, tokenizer_source=source)
+  config_file = os.path.join(workdir, "config.py")
+  header = (f"Run config written by launch.convert_from_hf: the model from {hf_dir}/config.json, "
+            "the rest\nfrom the --config given then. Train with\n  python -m launch.train "
+            f"--config={config_file} --workdir={workdir}\n")
+  with open(config_file, "w") as f:
+    f.write(render_config_py(config, header))
+  return ImportedRun(ckpt_dir, config_file, cfg, replaced)
 
 
 def load_run_model(workdir: str, step: int | None, sharding: jax.sharding.Sharding,
@@ -203,34 +296,54 @@ def parse_size(text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Export:
-  """What `export_run` wrote: the checkpoint `step`, the safetensors `paths`, and the
-  `tokenizer_file` copied alongside (None when the run's tokenizer is not a file)."""
+  """What `export_run` wrote: the checkpoint `step`, the safetensors `paths`, the run's
+  tokenizer (`tokenizer`: its tokenizer.json path, "byte", or None when it wrote none) and
+  the tokenizer files written (`tokenizer_paths`)."""
 
   step: int
   paths: list[str]
-  tokenizer_file: str | None
+  tokenizer: str | None
+  tokenizer_paths: list[str]
 
 
 def export_run(workdir: str, out_dir: str, step: int | None = None, dtype: str = "bfloat16",
-               max_shard_size_bytes: int | None = None) -> Export:
+               max_shard_size_bytes: int | None = None, progress: bool | None = None) -> Export:
   """Writes checkpoint `step` (default: the latest) of the run in `workdir` to `out_dir` as a
   transformers `ZayaForCausalLM.from_pretrained` directory (`save_pretrained`, storage
-  `dtype` "bfloat16" | "float32", shards of at most `max_shard_size_bytes`).
+  `dtype` "bfloat16" | "float32", shards of at most `max_shard_size_bytes`, a progress bar
+  per `progress`, see `save_pretrained`), with the tokenizer files `AutoTokenizer` loads:
+  the run's tokenizer.json, or for `data.tokenizer="byte"` its byte-level equivalent
+  (`byte_tokenizer_json`). A tokenizer file that no longer exists is skipped with a warning.
 
   Raises:
     ConvertError: no such `workdir` or `step` (the steps that exist are named), a checkpoint
-      with no usable model config or unreadable arrays, or an `out_dir` that cannot be written.
+      with no usable model config or unreadable arrays, an `out_dir` that cannot be written,
+      or a tokenizer whose vocabulary lacks the model's special ids.
   """
+  start = time.perf_counter()
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   model, saved, step = load_run_model(workdir, step, cpu)
-
   tokenizer = saved.get("data", {}).get("tokenizer")
-  tokenizer_file = tokenizer if tokenizer and os.path.isfile(tokenizer) else None
+  seq_len = saved.get("train", {}).get("seq_len", 4096)
   try:
     paths = save_pretrained(model, out_dir, dtype=dtype, max_shard_size_bytes=max_shard_size_bytes,
-                            tokenizer_file=tokenizer_file)
+                            progress=progress)
+    if tokenizer == "byte":
+      byte_tokenizer_json(os.path.join(out_dir, "tokenizer.json"))
+      tok_paths = write_tokenizer_files(os.path.join(out_dir, "tokenizer.json"), out_dir,
+                                        model.cfg, seq_len)
+    elif tokenizer and os.path.isfile(tokenizer):
+      tok_paths = write_tokenizer_files(tokenizer, out_dir, model.cfg, seq_len)
+    else:
+      logging.warning("the run's data.tokenizer=%r is not a file here: no tokenizer files "
+                      "written (AutoTokenizer cannot load %s)", tokenizer, out_dir)
+      tokenizer, tok_paths = None, []
   except OSError as e:
     raise ConvertError(f"cannot write --out={out_dir}: {e}") from e
-  logging.info("exported step %d of %s to %s (%d safetensors file(s)%s)", step, workdir, out_dir,
-               len(paths), ", tokenizer.json" if tokenizer_file else "")
-  return Export(step, paths, tokenizer_file)
+  size_mb = sum(os.path.getsize(p) for p in paths) / 1e6
+  logging.info("exported step %d of %s to %s in %.1f s: %.4gM parameters, %.1f MB %s in %d "
+               "safetensors file(s); tokenizer: %s", step, workdir, out_dir,
+               time.perf_counter() - start, count_params(model.cfg).total / 1e6, size_mb, dtype,
+               len(paths), "byte-level tokenizer.json" if tokenizer == "byte" else
+               (tokenizer or "none"))
+  return Export(step, paths, tokenizer, tok_paths)

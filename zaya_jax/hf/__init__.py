@@ -4,6 +4,10 @@
   hf_config.py  config.json: read, write, compare with a run config (ConvertError)
   import_hf.py  load_pretrained: a save_pretrained directory -> our model
   export_hf.py  to_hf_state_dict / save_pretrained / skip_can_win: our model -> HF
+  hf_tokenizer.py  tokenizer_config.json / special_tokens_map.json for AutoTokenizer, and
+                the byte tokenizer as a tokenizer.json
+  run_config.py the run config of an imported checkpoint: architecture from config.json,
+                training settings from a config file; config.py rendering
 
 Above the model, below checkpoints and training (so `train.init_from` can read an HF
 directory); `zaya_jax.convert` joins these with training runs for the launch.convert_* CLIs.

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
+import sys
 
 import jax
 import ml_dtypes
@@ -20,6 +22,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 from safetensors.numpy import save_file
+from tqdm import tqdm
 
 from zaya_jax.hf.hf_config import write_hf_configs
 from zaya_jax.hf.hf_table import HF_TABLE, flatten, hf_shape, to_hf
@@ -76,6 +79,15 @@ def skip_can_win(model: ZayaForCausalLM) -> list[int]:
   return [i for i in range(b.shape[0]) if not b[i, -1] + 1.0 <= b[i, :-1].max()]
 
 
+PROGRESS_MIN_BYTES = 2 * 10**9  # exports this large show a progress bar even without a terminal
+
+
+def _match_mode(path: str, like: str) -> None:
+  """Gives `path` the permission bits of `like` (safetensors writes through a 0600 temp file;
+  `like` was created by `open`, so it has the umask's mode)."""
+  os.chmod(path, stat.S_IMODE(os.stat(like).st_mode))
+
+
 def _dtype_name(dtype) -> str:
   name = np.dtype(dtype).name
   if name not in ("float32", "bfloat16"):
@@ -85,7 +97,7 @@ def _dtype_name(dtype) -> str:
 
 def save_pretrained(model: ZayaForCausalLM, out_dir: str, dtype=np.float32,
                     max_shard_size_bytes: int | None = None,
-                    tokenizer_file: str | None = None) -> list[str]:
+                    tokenizer_file: str | None = None, progress: bool | None = None) -> list[str]:
   """Writes `model` as a `transformers.ZayaForCausalLM.from_pretrained` directory.
 
   Writes `config.json` (`cfg.to_hf_dict()` + dtype), `generation_config.json` (bos/eos/pad
@@ -104,6 +116,9 @@ def save_pretrained(model: ZayaForCausalLM, out_dir: str, dtype=np.float32,
       the router balancing biases are always stored float32.
     max_shard_size_bytes: largest shard size; None = one file.
     tokenizer_file: a `tokenizer.json` to copy alongside, or None.
+    progress: a progress bar on stderr (bytes written, per safetensors file); None = when
+      stderr is a terminal or the tensors exceed `PROGRESS_MIN_BYTES`.
+  Every file written has the mode of a file this process creates (0644 under umask 022).
   Returns:
     The paths of the safetensors files written.
   Raises:
@@ -140,20 +155,25 @@ def save_pretrained(model: ZayaForCausalLM, out_dir: str, dtype=np.float32,
         stale.startswith("model") and stale.endswith(".safetensors")):
       os.remove(os.path.join(out_dir, stale))
   metadata = {"format": "pt"}
-  paths = []
-  if len(shards) == 1:
-    paths.append(os.path.join(out_dir, "model.safetensors"))
-    save_file(shards[0], paths[0], metadata=metadata)
-  else:
-    weight_map = {}
-    n = len(shards)
-    for j, shard in enumerate(shards, 1):
-      fname = f"model-{j:05d}-of-{n:05d}.safetensors"
+  total = sum(v.nbytes for v in tensors.values())
+  if progress is None:
+    progress = sys.stderr.isatty() or total >= PROGRESS_MIN_BYTES
+  bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out_dir}",
+             disable=not progress, file=sys.stderr, mininterval=1.0)
+  like = os.path.join(out_dir, "config.json")
+  n = len(shards)
+  names = (["model.safetensors"] if n == 1 else
+           [f"model-{j:05d}-of-{n:05d}.safetensors" for j in range(1, n + 1)])
+  paths, weight_map = [], {}
+  with bar:
+    for fname, shard in zip(names, shards):
       paths.append(os.path.join(out_dir, fname))
       save_file(shard, paths[-1], metadata=metadata)
+      _match_mode(paths[-1], like)
       weight_map.update({k: fname for k in shard})
-    index = {"metadata": {"total_size": int(sum(v.nbytes for v in tensors.values()))},
-             "weight_map": weight_map}
+      bar.update(sum(v.nbytes for v in shard.values()))
+  if n > 1:
+    index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
       json.dump(index, f, indent=2)
   if tokenizer_file is not None:
