@@ -29,7 +29,6 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from zaya_jax.checkpoint import quiet_library_logs
 from zaya_jax.convert import ConvertError, runs
 from zaya_jax.logs import quiet_third_party
 
@@ -46,7 +45,6 @@ flags.mark_flags_as_required(["hf_dir", "workdir"])
 
 
 def main(argv):
-  quiet_library_logs()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   explicit = config_flags.get_override_values(flags.FLAGS["config"])

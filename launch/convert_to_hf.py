@@ -19,7 +19,6 @@ import sys
 
 from absl import app, flags
 
-from zaya_jax.checkpoint import quiet_library_logs
 from zaya_jax.convert import ConvertError, runs
 from zaya_jax.logs import quiet_third_party
 
@@ -34,7 +33,6 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 
 def main(argv):
-  quiet_library_logs()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:

@@ -18,10 +18,13 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from zaya_jax.checkpoint import find_run_checkpoint, quiet_library_logs
+from zaya_jax.checkpoint import find_run_checkpoint
 from zaya_jax.config import ConfigError, resolve
 from zaya_jax.hf.hf_config import ConvertError, read_hf_config
+from zaya_jax.logs import quiet_third_party
 from zaya_jax.train.evaluate import evaluate_saved, run_config_of, with_eval_data
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file for data/tokenizer/eval settings (needed with --hf_dir).",
@@ -61,7 +64,6 @@ def _config():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  quiet_library_logs()
   try:
     cfg, ckpt_dir, step = _config()
     cfg = with_eval_data(cfg, eval_batches=_EVAL_BATCHES.value, data_source=_DATA_SOURCE.value)
@@ -85,5 +87,10 @@ def main(argv):
       f.write(text + "\n")
 
 
-if __name__ == "__main__":
+def run_main():
+  """Console script `zaya-evaluate` (pyproject.toml): the same as `python -m launch.evaluate`."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

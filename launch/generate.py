@@ -23,7 +23,6 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from zaya_jax.checkpoint import quiet_library_logs
 from zaya_jax.convert import ConvertError, load_pretrained, runs
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from zaya_jax.generate import generate
@@ -68,7 +67,6 @@ def pick_tokenizer(saved: dict | None):
 
 
 def main(argv):
-  quiet_library_logs()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if (_WORKDIR.value is None) == (_HF_DIR.value is None):

@@ -37,7 +37,7 @@ from zaya_jax.checkpoint.checkpointer import CORRUPT_SUFFIX, Checkpointable, Che
 from zaya_jax.checkpoint.compat import saved_model_config
 from zaya_jax.checkpoint.manager import (ARRAY_ITEMS, CHECKSUMMED_ITEMS, ITEMS, JSON_ITEMS,
                                          CorruptCheckpointError, config_record, failure_reason,
-                                         open_manager, quiet_library_logs, restore_model_state,
+                                         open_manager, restore_model_state,
                                          saved_config, saved_items)
 from zaya_jax.checkpoint.steps import find_run_checkpoint, select_step
 
@@ -55,7 +55,6 @@ __all__ = [
     "failure_reason",
     "find_run_checkpoint",
     "open_manager",
-    "quiet_library_logs",
     "restore_model_state",
     "saved_config",
     "saved_items",

@@ -23,7 +23,6 @@ from jax.experimental import multihost_utils
 
 from zaya_jax.checkpoint import integrity
 from zaya_jax.config import RunConfig
-from zaya_jax.logs import quiet_third_party
 
 ITEMS = ("model", "opt_state", "train_meta", "data_iter", "config", "integrity")
 ARRAY_ITEMS = ("model", "opt_state", "train_meta")
@@ -211,9 +210,3 @@ def all_processes_ok(ok: bool) -> bool:
     return ok
   flags = multihost_utils.process_allgather(np.asarray([int(ok)], np.int32))
   return bool(np.all(flags))
-
-
-def quiet_library_logs() -> None:
-  """Alias of `zaya_jax.logs.quiet_third_party` (JAX/Orbax/Grain INFO and known-harmless
-  warnings off; idempotent), kept for existing callers."""
-  quiet_third_party()

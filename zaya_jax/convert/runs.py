@@ -170,8 +170,12 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str,
     latest = ckpt.latest_step()
     if latest is not None:
       raise ConvertError(f"{ckpt_dir} already holds checkpoint step {latest}; pass a fresh --workdir")
-    if tokenizer_source is not None:
+    if tokenizer_source is not None:  # with its special-token names, if it has them
       shutil.copyfile(tokenizer_source, cfg.data.tokenizer)
+      named = os.path.join(os.path.dirname(tokenizer_source), "tokenizer_config.json")
+      if os.path.isfile(named):
+        shutil.copyfile(named, os.path.join(os.path.dirname(cfg.data.tokenizer),
+                                            "tokenizer_config.json"))
     _write_step0(cfg, hf_dir, ckpt)
   finally:
     ckpt.close()

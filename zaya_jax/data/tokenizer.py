@@ -7,6 +7,7 @@ post-processor would do.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Protocol
 
@@ -63,8 +64,11 @@ class HFTokenizer:
 
   Attributes:
     vocab_size: `tokenizer.get_vocab_size()` (added tokens included).
-    pad_id, bos_id, eos_id: ids of the first spellings found in `_PAD_TOKENS`,
-      `_BOS_TOKENS`, `_EOS_TOKENS` ("<pad>", "<bos>", "<eos>" for Gemma). Without a pad
+    pad_id, bos_id, eos_id: the ids of the `pad_token` / `bos_token` / `eos_token` named by
+      a `tokenizer_config.json` beside the file, as `transformers.AutoTokenizer` reads them
+      (e.g. a chat model whose eos is "<end_of_turn>"); for a role it does not name, the
+      first spelling found in `_PAD_TOKENS`, `_BOS_TOKENS`, `_EOS_TOKENS` ("<pad>", "<bos>",
+      "<eos>" for Gemma). Without a pad
       token, pad_id = eos_id (padding is always masked out of the loss); without a bos
       token, bos_id = eos_id (the GPT-2 convention of one `<|endoftext|>` separator).
   """
@@ -89,9 +93,10 @@ class HFTokenizer:
       ) from e
     self.path = path
     self.vocab_size = self._tokenizer.get_vocab_size()
-    pad_id = self._find(_PAD_TOKENS)
-    bos_id = self._find(_BOS_TOKENS)
-    eos_id = self._find(_EOS_TOKENS)
+    named = _named_special_tokens(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+    pad_id = self._find(named.get("pad_token", ()) + _PAD_TOKENS)
+    bos_id = self._find(named.get("bos_token", ()) + _BOS_TOKENS)
+    eos_id = self._find(named.get("eos_token", ()) + _EOS_TOKENS)
     if eos_id is None:
       eos_id = bos_id  # A single document-separator token serves both roles.
     if eos_id is None:
@@ -115,6 +120,24 @@ class HFTokenizer:
 
   def decode(self, ids: list[int]) -> str:
     return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _named_special_tokens(config_path: str) -> dict[str, tuple[str, ...]]:
+  """{"bos_token": ("<bos>",), ...} from a transformers `tokenizer_config.json` (values are
+  strings or {"content": str} dicts); {} if the file is absent or unreadable."""
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  named = {}
+  for role in ("pad_token", "bos_token", "eos_token"):
+    value = config.get(role) if isinstance(config, dict) else None
+    if isinstance(value, dict):
+      value = value.get("content")
+    if isinstance(value, str) and value:
+      named[role] = (value,)
+  return named
 
 
 def load_tokenizer(cfg: DataConfig) -> Tokenizer:

@@ -36,8 +36,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from zaya_jax.checkpoint import Checkpointer, config_record, quiet_library_logs
+from zaya_jax.checkpoint import Checkpointer, config_record
 from zaya_jax.config import ConfigError, RunConfig, resolve
+from zaya_jax.logs import quiet_third_party
 from zaya_jax.data import make_eval_batches, make_train_iterator
 from zaya_jax.model import sizing
 from zaya_jax.parallel import accelerators
@@ -96,7 +97,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
     Any exception of the loop, after a checkpoint of the last completed step (if the train
     state survived it; single-process runs).
   """
-  quiet_library_logs()
+  quiet_third_party()  # also for `run` called from Python, not only from launch.train
   cfg: RunConfig = resolve(config, process_count=jax.process_count())
   train = cfg.train
   is_main = jax.process_index() == 0
