@@ -1,0 +1,69 @@
+"""Loader throughput against the training step's need:
+`python -m launch.bench_loader --data=DIR [--seq_len=4096 --batch_size=32 --num_workers=0,1,2 --steps=20]`.
+
+Builds the training iterator exactly as launch.train does (`zaya_jax.data.make_train_iterator`
+on `data.source=--data`: a prepared directory or raw .txt/.jsonl/.json globs, or "stdlib")
+and prints tokens/s of one process for each worker count, against the tokens/s one process
+must deliver at the scale of `--config` (default ZAYA1-base: train.batch_size x seq_len /
+--num_devices per device per step, over the roofline step time on --profile, x
+--devices_per_process), and the ratio loader/required (`zaya_jax.perf.loader`).
+The default --batch_size is the per-process share of that global batch.
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from zaya_jax.config import ConfigError, synthetic_configs
+from zaya_jax.data import DataConfig
+from zaya_jax.perf import loader
+from zaya_jax.logs import quiet_third_party
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/zaya1_base.py", "Config whose model/train set the required rate.",
+    lock_config=True)
+_DATA = flags.DEFINE_string("data", None, "data.source: a prepared directory, raw globs or stdlib.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "byte", "data.tokenizer for a raw source.")
+_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per row; default config.train.seq_len.")
+_BATCH = flags.DEFINE_integer("batch_size", None, "Rows per batch on this process; default the "
+                              "per-process share of the global batch at --num_devices.")
+_WORKERS = flags.DEFINE_list("num_workers", ["0", "1", "2"], "Loader worker counts to time.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Batches timed per worker count (after the first).")
+_PROFILE = flags.DEFINE_string("profile", "mi300x", "Accelerator profile of the step time.")
+_DEVICES = flags.DEFINE_integer("num_devices", 64, "Devices of the training mesh.")
+_PER_PROCESS = flags.DEFINE_integer("devices_per_process", 8, "Devices one process feeds.")
+flags.mark_flag_as_required("data")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    try:
+      workers = [int(w) for w in _WORKERS.value]
+    except ValueError:
+      raise ValueError(f"--num_workers={','.join(_WORKERS.value)}: give comma-separated "
+                       "integers >= 0, e.g. 0,1,2") from None
+    model_cfg, train_cfg, _, _ = synthetic_configs(_CONFIG.value)
+    need = loader.required_rate(model_cfg, train_cfg, profile=_PROFILE.value,
+                                num_devices=_DEVICES.value,
+                                devices_per_process=_PER_PROCESS.value, seq_len=_SEQ.value)
+    batch = _BATCH.value or need.batch_size * need.devices_per_process // need.num_devices
+    data = DataConfig(source=_DATA.value, tokenizer=_TOKENIZER.value)
+    rates = [loader.measure_loader(data, seq_len=need.seq_len, batch_size=batch, num_workers=w,
+                                   steps=_STEPS.value) for w in workers]
+  except (ConfigError, ValueError, OSError) as e:
+    sys.exit(f"launch.bench_loader: {e}")
+  print(loader.format_report(rates, need))
+
+
+def run_main():
+  """Console script `zaya-bench-loader` (pyproject.toml): the same as `python -m launch.bench_loader`."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()
