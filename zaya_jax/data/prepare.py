@@ -303,11 +303,11 @@ def prepare_source(out: str, source: int, path: str, options: PrepareOptions,
     ids = _token_ids(tokenizer, text, options)
     if not len(ids):
       continue
-    if exit_after and _SHARDS_WRITTEN[0] >= exit_after:
-      os._exit(17)  # the test hook: die mid-shard, without cleanup
     if shard is None:
       shard = _Shard(out, source, len(shards))
     shard.add(ids)
+    if exit_after and _SHARDS_WRITTEN[0] >= exit_after:
+      os._exit(17)  # the test hook: die inside a shard, without cleanup
     documents += 1
     pending[0] += 1
     pending[1] += len(ids)
