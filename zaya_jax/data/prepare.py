@@ -30,6 +30,7 @@ import json
 import multiprocessing
 import os
 import queue as queue_lib
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -220,6 +221,16 @@ def _load_done(out: str, source: int, path: str) -> dict[str, Any] | None:
   return done
 
 
+def _remove_unfinished(out: str, sources: set[int]) -> None:
+  """Deletes every file an earlier (killed) run left in shards/ for `sources`: complete or
+  temporary shards, lengths, a stale done-file. One listing of the directory."""
+  shards_dir = os.path.join(out, SHARDS_DIR)
+  for name in os.listdir(shards_dir):
+    match = re.match(r"(\d+)[-.]", name)
+    if match and int(match.group(1)) in sources:
+      os.remove(os.path.join(shards_dir, name))
+
+
 # ----------------------------------------------------------------------------- one source
 
 _TOKENIZERS: dict[str, Any] = {}  # per process: name -> tokenizer
@@ -281,17 +292,13 @@ def prepare_source(out: str, source: int, path: str, options: PrepareOptions,
                    stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
   """Writes source `source`'s shards and done-file; returns the done-file's contents.
 
-  Removes whatever an earlier run left of this source first. `report(documents, tokens)`
+  The caller has removed whatever an earlier run left of this source (`_remove_unfinished`);
+  names written here replace any that remain. `report(documents, tokens)`
   is called with increments as it goes; `stop()` true makes it give up (raises _Aborted).
 
   Raises:
     readers.ReadError: a bad file or record (see `readers.read_documents`).
   """
-  shards_dir = os.path.join(out, SHARDS_DIR)
-  prefix = f"{source:05d}"
-  for name in os.listdir(shards_dir):
-    if name.startswith(prefix + "-") or name.startswith(prefix + ".done.json"):
-      os.remove(os.path.join(shards_dir, name))
   if options.tokenizer not in _TOKENIZERS:
     _TOKENIZERS[options.tokenizer] = load_tokenizer(options.tokenizer)
   tokenizer = _TOKENIZERS[options.tokenizer]
@@ -435,6 +442,7 @@ def prepare(patterns: Sequence[str], out: str, options: PrepareOptions, num_work
   _TOKENIZERS[options.tokenizer] = tokenizer
   done = {i: d for i, p in enumerate(paths) if (d := _load_done(out, i, p)) is not None}
   tasks = [(i, p) for i, p in enumerate(paths) if i not in done]
+  _remove_unfinished(out, {i for i, _ in tasks})
   bar = _Bar(progress, len(paths))
   workers = num_workers if num_workers > 1 and len(tasks) > 1 else 1
   try:
