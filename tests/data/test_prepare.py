@@ -5,6 +5,7 @@ directly, worker count and kills do not change a byte, bad input gives one line.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import pathlib
@@ -102,7 +103,7 @@ def prepared(corpus, tmp_path_factory):
 
 
 def test_byte_counts_and_records_equal_direct_tokenization(corpus, prepared):
-  root, docs = corpus
+  _, docs = corpus
   out, result = prepared
   tok = ByteTokenizer()
   want = expected_records(docs, tok.encode, tok.bos_id, tok.eos_id)
@@ -119,7 +120,8 @@ def test_byte_counts_and_records_equal_direct_tokenization(corpus, prepared):
   manifest_lib.check_shards(out, manifest, checksums=True)
   lengths = np.concatenate([np.load(os.path.join(out, s.lengths)) for s in manifest.shards])
   np.testing.assert_array_equal(lengths, [len(w) for w in want])
-  assert root  # shards: cut at the first document boundary at or after 600 tokens
+  for shard in manifest.shards:  # cut at the first document boundary at or after 600 tokens
+    assert shard.path.startswith("shards/") and os.path.isfile(os.path.join(out, shard.path))
   for shard in manifest.shards:
     shard_lengths = np.load(os.path.join(out, shard.lengths))
     assert shard_lengths.sum() - shard_lengths[-1] < 600
@@ -145,7 +147,7 @@ def test_hf_tokenizer_counts_and_records(corpus, tmp_path):
   assert manifest.documents == len(want) and manifest.tokens == sum(len(w) for w in want)
   assert (manifest.add_bos, manifest.add_eos) == (False, True)
   assert manifest.tokenizer.vocab_size == len(vocab) and manifest.tokenizer.eos_id == 3
-  assert manifest.tokenizer.sha256 == __import__("hashlib").sha256(
+  assert manifest.tokenizer.sha256 == hashlib.sha256(
       pathlib.Path(path).read_bytes()).hexdigest()
   for g, w in zip(read_records(out), want, strict=True):
     np.testing.assert_array_equal(g, w)
@@ -293,3 +295,13 @@ def test_cli_errors_are_one_line(tmp_path):
     assert run.returncode == 1 and "Traceback" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("launch.prepare_data: ") and match in last, run.stderr
+
+
+@pytest.mark.slow
+def test_bad_record_in_a_worker_stops_the_pool_with_its_line(tmp_path):
+  (tmp_path / "a.jsonl").write_text("".join('{"text": "doc %d"}\n' % i for i in range(50)))
+  (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
+  with pytest.raises(prepare_lib.PrepareError, match=rf"{tmp_path}/b.jsonl:2: --text_field"):
+    prepare_lib.prepare([f"{tmp_path}/*.jsonl"], str(tmp_path / "out"),
+                        prepare_lib.PrepareOptions("byte"), num_workers=2, progress=False)
+  assert not os.path.exists(tmp_path / "out" / manifest_lib.MANIFEST_FILE)
