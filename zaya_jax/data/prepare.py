@@ -17,30 +17,26 @@ Resumability:
     done-files only, so a half-written shard is never listed.
 
 Documents with no tokens (an empty text without bos/eos) are left out; empty .txt files and
-blank .jsonl lines are not documents.
+blank .jsonl lines are not documents. Worker processes and the progress bar: `prepare_pool`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import glob
 import hashlib
 import json
-import multiprocessing
 import os
-import queue as queue_lib
 import re
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import tqdm
 from array_record.python import array_record_module
 
 from zaya_jax.data import manifest as manifest_lib
+from zaya_jax.data import prepare_pool
 from zaya_jax.data import readers
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -287,7 +283,7 @@ class _Aborted(Exception):
   """Another worker failed; this one stops (its source stays undone)."""
 
 
-def prepare_source(out: str, source: int, path: str, options: PrepareOptions,
+def prepare_source(source: int, out: str, path: str, options: PrepareOptions,
                    report: Callable[[int, int], None],
                    stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
   """Writes source `source`'s shards and done-file; returns the done-file's contents.
@@ -339,78 +335,6 @@ def prepare_source(out: str, source: int, path: str, options: PrepareOptions,
   return done
 
 
-# ----------------------------------------------------------------------------- worker pool
-
-_WORKER_STATE: dict[str, Any] = {}
-
-
-def _init_worker(progress, stop_event) -> None:
-  _WORKER_STATE.update(progress=progress, stop=stop_event)
-
-
-def _worker_task(out: str, source: int, path: str, options: PrepareOptions) -> dict[str, Any]:
-  """`prepare_source` in a pool worker: progress through the queue, stop by the event."""
-  return prepare_source(out, source, path, options,
-                        report=lambda d, t: _WORKER_STATE["progress"].put((d, t)),
-                        stop=_WORKER_STATE["stop"].is_set)
-
-
-def _run_pool(tasks, out, options, num_workers, bar) -> dict[int, dict[str, Any]]:
-  """Runs `tasks` [(source, path)] on `num_workers` spawned processes; {source: done}."""
-  ctx = multiprocessing.get_context("spawn")
-  progress, stop = ctx.Queue(), ctx.Event()
-  results = {}
-  with concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=ctx,
-                                              initializer=_init_worker,
-                                              initargs=(progress, stop)) as pool:
-    futures = {pool.submit(_worker_task, out, s, p, options): s for s, p in tasks}
-    pending = set(futures)
-    try:
-      while pending:
-        finished, pending = concurrent.futures.wait(
-            pending, timeout=_REPORT_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
-        _drain(progress, bar)
-        for future in finished:
-          results[futures[future]] = future.result()
-    except BaseException as e:
-      stop.set()
-      for future in pending:
-        future.cancel()
-      if isinstance(e, concurrent.futures.process.BrokenProcessPool):
-        raise PrepareError(f"a worker process died ({e}); rerun the same command to resume "
-                           "(finished sources are kept)") from e
-      raise
-  _drain(progress, bar)
-  return results
-
-
-def _drain(progress, bar) -> None:
-  while True:
-    try:
-      documents, tokens = progress.get_nowait()
-    except queue_lib.Empty:
-      return
-    bar.add(documents, tokens)
-
-
-class _Bar:
-  """tqdm on stderr counting documents (its rate = docs/s), with tokens/s in the postfix."""
-
-  def __init__(self, enabled: bool, sources: int):
-    self._tqdm = tqdm.tqdm(unit=" docs", file=sys.stderr,
-                           disable=not enabled, dynamic_ncols=True)
-    self._start, self._tokens, self._sources = time.monotonic(), 0, sources
-
-  def add(self, documents: int, tokens: int) -> None:
-    self._tokens += tokens
-    rate = self._tokens / max(time.monotonic() - self._start, 1e-9)
-    self._tqdm.set_postfix_str(f"{rate:,.0f} tokens/s, {self._sources} files", refresh=False)
-    self._tqdm.update(documents)
-
-  def close(self) -> None:
-    self._tqdm.close()
-
-
 # ----------------------------------------------------------------------------- driver
 
 def prepare(patterns: Sequence[str], out: str, options: PrepareOptions, num_workers: int = 0,
@@ -443,15 +367,17 @@ def prepare(patterns: Sequence[str], out: str, options: PrepareOptions, num_work
   done = {i: d for i, p in enumerate(paths) if (d := _load_done(out, i, p)) is not None}
   tasks = [(i, p) for i, p in enumerate(paths) if i not in done]
   _remove_unfinished(out, {i for i, _ in tasks})
-  bar = _Bar(progress, len(paths))
+  bar = prepare_pool.Bar(progress, len(paths))
   workers = num_workers if num_workers > 1 and len(tasks) > 1 else 1
   try:
     if workers == 1:
       for source, path in tasks:
-        done[source] = prepare_source(out, source, path, options, report=bar.add)
+        done[source] = prepare_source(source, out, path, options, report=bar.add)
     else:
-      done.update(_run_pool(tasks, out, options, min(workers, len(tasks)), bar))
-  except readers.ReadError as e:
+      done.update(prepare_pool.run_pool(
+          prepare_source, [(i, out, p, options) for i, p in tasks], min(workers, len(tasks)),
+          bar))
+  except (readers.ReadError, prepare_pool.WorkerDied) as e:
     raise PrepareError(str(e)) from e
   finally:
     bar.close()
