@@ -60,6 +60,12 @@ class PreparedCorpus:
         manifest, a missing/truncated/altered shard, lengths that disagree with the manifest.
     """
     self.directory = directory
+    if os.path.isdir(directory) and not is_prepared_dir(directory):
+      raise ManifestError(
+          f"{field}={directory!r} is a directory without {MANIFEST_FILE}, so not a prepared "
+          "corpus; make one with python -m launch.prepare_data --source=GLOBS "
+          f"--tokenizer=byte|PATH --out={directory}, or give a glob of raw text files such "
+          f"as {os.path.join(directory, '*.txt')}")
     try:
       self.manifest: Manifest = read_manifest(directory)
       check_shards(directory, self.manifest, verify_checksums)
@@ -142,8 +148,10 @@ def open_sources(cfg) -> list[tuple[PreparedCorpus, float]]:
 
 
 def uses_prepared(cfg) -> bool:
-  """True if the DataConfig reads prepared directories (data.mixture, or a prepared source)."""
-  return bool(cfg.mixture.strip()) or is_prepared_dir(cfg.source)
+  """True if the DataConfig reads prepared directories: data.mixture, or a data.source that
+  is one directory (with a manifest.json, or without one: then opening it fails with the
+  prepare_data command to make it)."""
+  return bool(cfg.mixture.strip()) or is_prepared_dir(cfg.source) or os.path.isdir(cfg.source)
 
 
 def tokenizer_mismatch(cfg, vocab_size: int, special_ids: dict[str, int]) -> str | None:
@@ -166,6 +174,8 @@ def tokenizer_mismatch(cfg, vocab_size: int, special_ids: dict[str, int]) -> str
   else:
     paths, field = [cfg.source], "data.source"
   for path in paths:
+    if os.path.isdir(path) and not is_prepared_dir(path):
+      return None  # opening it names the missing manifest (PreparedCorpus)
     try:
       tok = read_manifest(path).tokenizer
     except ManifestError as e:
