@@ -151,7 +151,9 @@ def uses_prepared(cfg) -> bool:
   """True if the DataConfig reads prepared directories: data.mixture, or a data.source that
   is one directory (with a manifest.json, or without one: then opening it fails with the
   prepare_data command to make it)."""
-  return bool(cfg.mixture.strip()) or is_prepared_dir(cfg.source) or os.path.isdir(cfg.source)
+  if cfg.mixture.strip():
+    return True
+  return cfg.source != "stdlib" and os.path.isdir(cfg.source)
 
 
 def tokenizer_mismatch(cfg, vocab_size: int, special_ids: dict[str, int]) -> str | None:
