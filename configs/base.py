@@ -71,6 +71,11 @@ def get_config() -> ml_collections.ConfigDict:
   d.add_bos = True  # prepend bos_token_id to every document
   d.add_eos = True  # append eos_token_id to every document
   d.bad_records = "error"  # a .jsonl line that is not a record with text: "error" (stop, naming file:line) | "skip" (warn, leave it out)
+  d.mixture = ""  # prepared dirs with weights, "DIR_A:0.7,DIR_B:0.3"; when set, `source` is ignored; "" = `source` alone
+  d.packing = "concat"  # prepared dirs: "concat" (documents cut at row ends) | "best_fit" (whole documents, padded rows)
+  d.best_fit_window = 1024  # best_fit: documents per packing window
+  d.long_documents = "truncate"  # best_fit: a document over seq_len+1 tokens is "truncate"d | "drop"ped
+  d.verify_checksums = False  # prepared dirs: check every shard's sha256 at start (reads all shards)
 
   # --- train --------------------------------------------------------------------------------
   t = config.train = ml_collections.ConfigDict()

@@ -8,6 +8,7 @@ iterator, the config record and the checksums, verifies them on restore, and fal
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable, NamedTuple, Protocol
 
@@ -128,7 +129,9 @@ class Checkpointer:
         everything but the data position (a rollback that keeps reading forward). A
         checkpoint written by another process count or `data.num_workers` leaves it
         untouched (warned; `restore_latest` reports it): a run-shape change, never
-        reported as corruption.
+        reported as corruption. A `process_independent` iterator (prepared corpora) is
+        restored from any process or worker count (process 0's saved state); only a
+        `train.seq_len` change leaves it untouched.
       config: the current run's config. Its `model` group must equal the saved one, except
         for compute-only fields (`COMPUTE_ONLY_MODEL_FIELDS`, e.g. dtype, remat).
 
@@ -160,7 +163,8 @@ class Checkpointer:
     Returns:
       `Restored(state, step, data_restored)`, or None if the directory holds no checkpoint.
       `data_restored` is False when `data_iter` is None or the checkpoint was written by
-      another process count (each process's position covers other documents then): the
+      another process count (each process's position covers other documents then; not for a
+      `process_independent` iterator, see `restore`): the
       caller must start a new data order.
 
     Raises:
@@ -280,10 +284,15 @@ class Checkpointer:
         convertible = hasattr(data_iter, "saved_seq_len")  # zaya_jax.data's PackedIterator
         if convertible:
           data_iter.saved_seq_len = saved_len
+        saved_count = int(saved["runtime"]["process_count"])
         try:
-          self._phase(lambda: self._manager.restore(step, args=ocp.args.Composite(
-              data_iter=grain.checkpoint.CheckpointRestore(data_iter))),
-                      f"cannot read the data iterator position of checkpoint {path}")
+          if saved_count != jax.process_count():  # a process-independent iterator (compat)
+            self._phase(lambda: _restore_process_independent(path, saved_count, data_iter),
+                        f"cannot read the data iterator position of checkpoint {path}")
+          else:
+            self._phase(lambda: self._manager.restore(step, args=ocp.args.Composite(
+                data_iter=grain.checkpoint.CheckpointRestore(data_iter))),
+                        f"cannot read the data iterator position of checkpoint {path}")
         finally:
           if convertible:
             data_iter.saved_seq_len = None
@@ -291,3 +300,13 @@ class Checkpointer:
 
     state = type(abstract_state).from_items({name: out[name] for name in targets})
     return state, data_restored
+
+
+def _restore_process_independent(path: str, saved_count: int, data_iter: Any) -> None:
+  """Applies process 0's saved state of a `process_independent` iterator (the same on every
+  process) written by `saved_count` processes: grain's CheckpointRestore would look for this
+  run's `process_<i>-of-<n>.json` only."""
+  filename = os.path.join(path, "data_iter", f"process_0-of-{saved_count}.json")
+  with open(filename, encoding="utf-8") as f:
+    state = json.load(f)
+  data_iter.set_state(state)

@@ -73,7 +73,18 @@ def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any
   pipeline: worker processes (`data.num_workers`) pack in another order, and a workers'
   position is not converted to another `train.seq_len` (the in-process one is, see
   `zaya_jax.data.pipeline.PackedIterator`).
+
+  An iterator with `process_independent = True` (prepared corpora,
+  `zaya_jax.data.global_iterator.GlobalBatchIterator`) holds the same global position on every
+  process, whatever the process or worker count: only a `train.seq_len` change restarts it
+  (its rows are cut at another length, so the saved row number means other tokens).
   """
+  saved_len = saved["train"]["seq_len"]
+  if getattr(data_iter, "process_independent", False):
+    if saved_len != config.train.seq_len:
+      return (f"train.seq_len changed {saved_len} -> {config.train.seq_len}: the saved global "
+              "row counts rows of the old length")
+    return None
   saved_count = int(saved["runtime"]["process_count"])
   if saved_count != jax.process_count():
     return (f"it was written by {saved_count} process(es) and this run has "
@@ -82,7 +93,6 @@ def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any
   if saved_workers != config.data.num_workers:
     return (f"data.num_workers changed {saved_workers} -> {config.data.num_workers} (each "
             "worker count reads the documents in its own order)")
-  saved_len = saved["train"]["seq_len"]
   if saved_len != config.train.seq_len and (
       config.data.num_workers or not hasattr(data_iter, "saved_seq_len")):
     return (f"train.seq_len changed {saved_len} -> {config.train.seq_len} and the position of "

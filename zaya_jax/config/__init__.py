@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-from zaya_jax.data import DataConfig, load_tokenizer
+from zaya_jax.data import DataConfig, load_tokenizer, prepared
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.config.mesh import MeshConfig
 
@@ -343,7 +343,17 @@ def synthetic_configs(config: ml_collections.ConfigDict
 
 
 def _check_tokenizer(model: ModelConfig, data: DataConfig) -> None:
-  """The model's vocabulary and special ids must agree with the tokenizer's."""
+  """The model's vocabulary and special ids must agree with the tokenizer's (for prepared
+  corpora: the tokenizer recorded in their manifests)."""
+  if prepared.uses_prepared(data):
+    try:
+      problem = prepared.tokenizer_mismatch(data, model.vocab_size, {
+          f: getattr(model, f) for f in ("pad_token_id", "bos_token_id", "eos_token_id")})
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+    if problem:
+      raise ConfigError(problem)
+    return
   try:
     tok = load_tokenizer(data)
   except (OSError, ValueError) as e:

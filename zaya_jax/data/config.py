@@ -38,6 +38,21 @@ class DataConfig:
   # the corpus is listed: "error" stops before training, naming file:line; "skip" leaves it
   # out and warns with the count and the first few file:line.
   bad_records: str = "error"
+  # A prepared directory (`source` or mixture entries: made by launch.prepare_data, holding a
+  # manifest.json) is read through a global sample index: the tokenizer is the manifest's
+  # (`tokenizer`, `add_bos`, `add_eos`, `text_field` and `bad_records` are not used then).
+  # Weighted mixture of prepared directories, "DIR_A:0.7,DIR_B:0.3" (weights > 0, normalized);
+  # when set, `source` is ignored. "" = read `source` alone.
+  mixture: str = ""
+  # Rows of a prepared directory: "concat" (documents concatenated and cut every seq_len
+  # tokens, a document may be split across rows) | "best_fit" (whole documents only, best-fit
+  # packing within windows of `best_fit_window` documents; rows padded). Raw text: "concat".
+  packing: str = "concat"
+  best_fit_window: int = 1024  # documents per best_fit packing window
+  # best_fit only: a document longer than seq_len + 1 tokens is "truncate"d to its first
+  # seq_len + 1 tokens, or "drop"ped.
+  long_documents: str = "truncate"
+  verify_checksums: bool = False  # check every shard's sha256 at start (reads the whole corpus)
 
   def __post_init__(self):
     if not self.source.strip():
@@ -59,7 +74,44 @@ class DataConfig:
           f"data.bad_records={self.bad_records!r} must be 'error' (stop, naming file:line) or "
           "'skip' (leave bad .jsonl lines out, with a warning)."
       )
+    if self.packing not in ("concat", "best_fit"):
+      raise ValueError(f"data.packing={self.packing!r} must be 'concat' or 'best_fit'.")
+    if self.long_documents not in ("truncate", "drop"):
+      raise ValueError(f"data.long_documents={self.long_documents!r} must be 'truncate' or "
+                       "'drop'.")
+    if self.best_fit_window < 1:
+      raise ValueError(f"data.best_fit_window={self.best_fit_window} must be >= 1 (documents "
+                       "per packing window).")
+    if self.mixture.strip():
+      parse_mixture(self.mixture)  # raises naming data.mixture
     if self.num_workers < 0:
       raise ValueError(
           f"data.num_workers={self.num_workers} must be >= 0 (0 = in-process reading)."
       )
+
+
+def parse_mixture(text: str) -> list[tuple[str, float]]:
+  """"DIR_A:0.7,DIR_B:0.3" -> [("DIR_A", 0.7), ("DIR_B", 0.3)] (weights as given).
+
+  Raises:
+    ValueError: naming data.mixture, for an entry without ":WEIGHT", a weight that is not a
+      number > 0, or a directory listed twice.
+  """
+  out: list[tuple[str, float]] = []
+  for entry in (e.strip() for e in text.split(",")):
+    if not entry:
+      continue
+    path, sep, weight = entry.rpartition(":")
+    try:
+      value = float(weight)
+    except ValueError:
+      value = -1.0
+    if not sep or not path or not value > 0:
+      raise ValueError(f"data.mixture entry {entry!r} must be DIR:WEIGHT with a weight > 0, "
+                       "e.g. data.mixture='DIR_A:0.7,DIR_B:0.3'.")
+    if path in (p for p, _ in out):
+      raise ValueError(f"data.mixture lists {path!r} twice; give each directory once.")
+    out.append((path, value))
+  if not out:
+    raise ValueError("data.mixture has no entry; e.g. data.mixture='DIR_A:0.7,DIR_B:0.3'.")
+  return out

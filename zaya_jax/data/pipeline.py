@@ -34,7 +34,7 @@ from absl import flags
 import grain
 import numpy as np
 
-from zaya_jax.data import sources
+from zaya_jax.data import global_iterator, prepared, sources
 from zaya_jax.data.config import DataConfig
 from zaya_jax.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -282,9 +282,17 @@ def make_train_iterator(
     batches are built in that many worker processes (a different, equally deterministic
     order than in-process).
 
+  A prepared directory (data.source with a manifest.json, or data.mixture) is read through
+  the global sample index instead (`zaya_jax.data.global_iterator`): batches independent of
+  process_count and num_workers, a process-independent state.
+
   Raises:
     ValueError: naming the data.* field at fault (empty corpus or split, bad tokenizer).
   """
+  if prepared.uses_prepared(cfg):
+    return global_iterator.make_global_train_iterator(
+        cfg, seq_len=seq_len, batch_size=batch_size, seed=seed, process_index=process_index,
+        process_count=process_count)
   tokenizer = load_tokenizer(cfg)
   refs = _split_for_process(
       cfg, split="train", process_index=process_index, process_count=process_count
@@ -331,9 +339,16 @@ def make_eval_batches(
   Returns:
     A list of dicts of [B, T] numpy arrays, the same format as training batches.
 
+  A prepared directory: `zaya_jax.data.global_iterator.make_global_eval_batches` (global
+  batches, this process's slice: the same count on every process).
+
   Raises:
     ValueError: naming data.eval_fraction if the eval split is empty.
   """
+  if prepared.uses_prepared(cfg):
+    return global_iterator.make_global_eval_batches(
+        cfg, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches,
+        process_index=process_index, process_count=process_count)
   if max_batches < 1:
     raise ValueError(f"max_batches={max_batches} must be >= 1.")
   tokenizer = load_tokenizer(cfg)

@@ -17,6 +17,7 @@ processes (a CPU's devices share the host's cores, so the measured peak is per h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -166,8 +167,10 @@ def data_summary(data_cfg: Any, tokens_needed: int) -> str:
   byte tokenizer (one token per UTF-8 byte, + BOS/EOS), from file sizes and .jsonl line
   lengths. `tokens_needed` = steps x tokens per step. Errors of the listing give '?'.
   """
-  from zaya_jax.data import sources  # pylint: disable=import-outside-toplevel
+  from zaya_jax.data import prepared, sources  # pylint: disable=import-outside-toplevel
 
+  if prepared.uses_prepared(data_cfg):
+    return _prepared_summary(data_cfg, tokens_needed)
   try:
     refs = sources.list_documents(data_cfg)
   except (ValueError, OSError):
@@ -179,6 +182,28 @@ def data_summary(data_cfg: Any, tokens_needed: int) -> str:
     if tokens:
       text += f" (~{si(tokens)} tokens, {tokens_needed / tokens:.2f} epochs this run)"
   return text + f", {len(held_out):,} eval documents"
+
+
+def _prepared_summary(data_cfg: Any, tokens_needed: int) -> str:
+  """data_summary of prepared corpora: counts from the manifests and lengths files, one
+  'DIR: ...' part per source; '?' for a corpus that cannot be opened."""
+  from zaya_jax.data import prepared  # pylint: disable=import-outside-toplevel
+
+  try:
+    corpora = prepared.open_sources(dataclasses.replace(data_cfg, verify_checksums=False))
+  except (ValueError, OSError):
+    return f"{data_cfg.mixture or data_cfg.source}: ?"
+  total = sum(w for _, w in corpora)
+  parts = []
+  for corpus, weight in corpora:
+    tokens = int(corpus.lengths[corpus.train_ids].sum())
+    share = tokens_needed * weight / total
+    text = (f"{corpus.directory}: {corpus.train_ids.size:,} train documents (~{si(tokens)} "
+            f"tokens, {share / max(tokens, 1):.2f} epochs this run)")
+    if len(corpora) > 1:
+      text += f" weight {weight / total:.2f}"
+    parts.append(text + f", {corpus.eval_ids.size:,} eval documents")
+  return "; ".join(parts)
 
 
 def _byte_sizes(refs: list[Any]) -> int:

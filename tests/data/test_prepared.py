@@ -1,0 +1,243 @@
+"""Training data from a prepared directory: the global sample index and its iterator.
+
+# Shapes: B global batch rows, b = B / P rows per process, T sequence length.
+
+The corpus is written here directly (tests/data/prepared_corpus.py: ArrayRecordWriter, lengths,
+write_manifest) from a few hundred stdlib documents with the byte tokenizer. The reference
+for the rows is a direct numpy concat-and-cut of the documents in each epoch's permutation.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import flags
+import numpy as np
+import pytest
+
+from configs import zaya1_tiny
+from tests.data.prepared_corpus import stdlib_texts, write_prepared
+from zaya_jax import data
+from zaya_jax.checkpoint import compat
+from zaya_jax.config import ConfigError, resolve
+from zaya_jax.data import global_index, prepared
+from zaya_jax.data.manifest import TokenizerInfo
+
+T, b, P, SEED = 32, 4, 2, 3
+KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("prepared")
+  docs = write_prepared(directory, stdlib_texts(300, max_chars=150), shards=3)
+  return str(directory), docs
+
+
+def _cfg(directory, **kw):
+  return data.DataConfig(source=directory, eval_fraction=0.1, shuffle_seed=5, **kw)
+
+
+def _iters(directory, processes=P, rows=b, **kw):
+  return [data.make_train_iterator(_cfg(directory, **kw), seq_len=T, batch_size=rows, seed=SEED,
+                                   process_index=p, process_count=processes)
+          for p in range(processes)]
+
+
+def _global(iters):
+  """The next global batch: the processes' slices concatenated in process order."""
+  parts = [next(it) for it in iters]
+  return {k: np.concatenate([x[k] for x in parts]) for k in KEYS}
+
+
+def _reference_rows(docs, order, num_rows):
+  """Direct concat-and-cut of the documents in `order`: [num_rows, T] of each key."""
+  inputs = np.concatenate([docs[d][:-1] for d in order])
+  targets = np.concatenate([docs[d][1:] for d in order])
+  which = np.concatenate([np.full(docs[d].size - 1, k) for k, d in enumerate(order)])
+  n = num_rows * T
+  which_RT = which[:n].reshape(num_rows, T)
+  new_RT = np.ones_like(which_RT, dtype=bool)
+  new_RT[:, 1:] = which_RT[:, 1:] != which_RT[:, :-1]
+  segment_RT = np.cumsum(new_RT, axis=1).astype(np.int32)
+  start_RT = np.maximum.accumulate(np.where(new_RT, np.arange(T), 0), axis=1)
+  return {"inputs": inputs[:n].reshape(num_rows, T), "targets": targets[:n].reshape(num_rows, T),
+          "segment_ids": segment_RT, "positions": (np.arange(T) - start_RT).astype(np.int32),
+          "loss_mask": np.ones((num_rows, T), np.float32)}
+
+
+def test_rows_are_the_epochs_concatenated_and_cut(corpus):
+  directory, docs = corpus
+  opened = prepared.PreparedCorpus(directory, 0.1)
+  pairs_per_epoch = int(opened.pairs[opened.train_ids].sum())
+  steps = -(-3 * pairs_per_epoch // (2 * P * b * T))  # 1.5 epochs: a row straddles epochs
+  iters = _iters(directory)
+  got = [_global(iters) for _ in range(steps)]
+  got = {k: np.concatenate([g[k] for g in got]) for k in KEYS}
+  order = np.concatenate([global_index.epoch_order(opened.train_ids, 5, SEED, e)
+                          for e in range(2)])
+  want = _reference_rows(docs, order, steps * P * b)
+  for k in KEYS:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert sorted(order[:opened.train_ids.size]) == list(opened.train_ids)
+  assert not np.array_equal(order[:opened.train_ids.size], order[opened.train_ids.size:])
+
+
+def test_every_train_document_once_per_epoch_across_processes(corpus):
+  directory, docs = corpus
+  opened = prepared.PreparedCorpus(directory, 0.1)
+  rows = global_index.ConcatRows(opened.pairs, opened.train_ids, T, 5, SEED)
+  epoch_rows = rows.pairs_per_epoch // T  # rows wholly inside epoch 0
+  seen: dict[int, list[tuple[int, int]]] = {}
+  for r in range(epoch_rows):
+    for doc, start, stop in rows.row(r):
+      seen.setdefault(doc, []).append((start, stop))
+  tail = global_index.SequentialRows(opened.pairs, rows.epoch(0)[0], T).row(epoch_rows)
+  for doc, start, stop in tail:  # the rest of epoch 0 opens the straddling row
+    seen.setdefault(doc, []).append((start, stop))
+  assert sorted(seen) == list(opened.train_ids)
+  for doc, spans in seen.items():  # pieces of one document tile it exactly once, in order
+    flat = [x for span in spans for x in span]
+    assert flat[0] == 0 and flat[-1] == docs[doc].size - 1, (doc, spans)
+    assert all(flat[i] == flat[i + 1] for i in range(1, len(flat) - 1, 2)), (doc, spans)
+  # The two processes' slices of a global batch are disjoint rows of that index.
+  a, c = _iters(directory)
+  first_a, first_c = next(a), next(c)
+  want = _reference_rows(docs, rows.epoch(0)[0], 2 * b)["inputs"]
+  np.testing.assert_array_equal(first_a["inputs"], want[:b])
+  np.testing.assert_array_equal(first_c["inputs"], want[b:])
+
+
+def test_eval_split_disjoint_and_process_independent(corpus):
+  directory, docs = corpus
+  opened = prepared.PreparedCorpus(directory, 0.1)
+  assert np.intersect1d(opened.train_ids, opened.eval_ids).size == 0
+  assert np.array_equal(np.union1d(opened.train_ids, opened.eval_ids), np.arange(len(docs)))
+  assert 0.04 < opened.eval_ids.size / len(docs) < 0.2
+  assert np.array_equal(prepared.PreparedCorpus(directory, 0.1).eval_ids, opened.eval_ids)
+  cfg = _cfg(directory)
+  one = data.make_eval_batches(cfg, seq_len=T, batch_size=P * b, max_batches=50)
+  two = [data.make_eval_batches(cfg, seq_len=T, batch_size=b, max_batches=50, process_index=p,
+                                process_count=P) for p in range(P)]
+  assert len(one) == len(two[0]) == len(two[1])
+  pairs = int(opened.pairs[opened.eval_ids].sum())
+  assert len(one) == -(-pairs // (P * b * T))
+  for k in KEYS:
+    np.testing.assert_array_equal(np.concatenate([x[k] for x in one]),
+                                  np.concatenate([y[k] for pair in zip(*two) for y in pair]))
+  tokens = np.concatenate([x["inputs"][x["loss_mask"] > 0] for x in one])
+  np.testing.assert_array_equal(tokens, np.concatenate([docs[d][:-1] for d in opened.eval_ids]))
+  assert one[-1]["loss_mask"].sum() == pairs - (len(one) - 1) * P * b * T  # padded last batch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_and_on_another_process_count(corpus, workers):
+  directory, _ = corpus
+  if workers:
+    flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags (absl.app.run does this)
+  reference = _iters(directory, processes=1, rows=P * b)[0]
+  expected = [next(reference) for _ in range(6)]
+  iters = _iters(directory, num_workers=workers)
+  for k in range(3):
+    got = _global(iters)
+    for key in KEYS:
+      np.testing.assert_array_equal(got[key], expected[k][key], err_msg=f"{workers} {key}")
+  states = [it.get_state() for it in iters]
+  assert states[0] == states[1]
+  assert states[0]["global_batch"] == 3 and states[0]["next_row"] == 3 * P * b
+  # Same process count, fresh iterators: the same following global batches (in-process
+  # readers: each worker pipeline costs seconds of process start on a 2-core machine).
+  again = _iters(directory)
+  for it, state in zip(again, states):
+    it.set_state(state)
+  # One process (with B = P*b rows) from the two-process state.
+  single = _iters(directory, processes=1, rows=P * b, num_workers=workers)[0]
+  single.set_state(states[0])
+  for k in range(3, 6):
+    got, alone = _global(again), next(single)
+    for key in KEYS:
+      np.testing.assert_array_equal(got[key], expected[k][key], err_msg=f"{workers} {key}")
+      np.testing.assert_array_equal(alone[key], expected[k][key], err_msg=f"{workers} {key}")
+  assert single.get_state()["global_batch"] == 6
+
+
+def test_state_refuses_another_seq_len_and_compat_keeps_it_across_process_counts(corpus):
+  directory, _ = corpus
+  it = _iters(directory, processes=1)[0]
+  next(it)
+  state = it.get_state()
+  other = data.make_train_iterator(_cfg(directory), seq_len=T + 1, batch_size=b, seed=SEED)
+  with pytest.raises(ValueError, match="rows of 32 tokens"):
+    other.set_state(state)
+  cfg = resolve(zaya1_tiny.get_config())
+  saved = {"runtime": {"process_count": 4}, "data": {"num_workers": 3},
+           "train": {"seq_len": cfg.train.seq_len}}
+  assert compat.data_restart_reason(saved, cfg, it) is None
+  saved["train"]["seq_len"] += 1
+  assert "train.seq_len changed" in compat.data_restart_reason(saved, cfg, it)
+
+
+def _one_line_error(match, fn):
+  with pytest.raises(ValueError, match=match) as info:
+    fn()
+  assert "\n" not in str(info.value), str(info.value)
+  return str(info.value)
+
+
+def test_bad_input_one_line_errors(corpus, tmp_path):
+  directory, _ = corpus
+  make = lambda d, **kw: data.make_train_iterator(_cfg(str(d), **kw), seq_len=T, batch_size=b,
+                                                  seed=0)
+  (tmp_path / "empty").mkdir()
+  _one_line_error(r"data\.source=.*empty.* is a directory without manifest\.json.*"
+                  r"launch\.prepare_data", lambda: make(tmp_path / "empty"))
+  truncated = tmp_path / "truncated"
+  write_prepared(truncated, stdlib_texts(20, 100), shards=2)
+  shard = sorted((truncated / "shards").glob("*.array_record"))[1]
+  shard.write_bytes(shard.read_bytes()[:-7])
+  _one_line_error(r"data\.source=.*test-00001\.array_record: \d+ bytes, the manifest says",
+                  lambda: make(truncated))
+  altered = tmp_path / "altered"
+  write_prepared(altered, stdlib_texts(20, 100), shards=2)
+  shard = sorted((altered / "shards").glob("*.array_record"))[0]
+  raw = bytearray(shard.read_bytes())
+  raw[len(raw) // 3] ^= 0xFF
+  shard.write_bytes(bytes(raw))
+  make(altered)  # sizes agree: opened without data.verify_checksums
+  _one_line_error(r"test-00000\.array_record: sha256 differs",
+                  lambda: make(altered, verify_checksums=True))
+  assert shard.read_bytes() == bytes(raw)  # nothing written over
+
+
+def test_tokenizer_must_match_the_model(corpus, tmp_path):
+  directory, _ = corpus
+  config = zaya1_tiny.get_config()
+  config.data.source = directory
+  run = resolve(config)  # the byte tokenizer's sizes: accepted
+  assert run.data.source == directory
+  big = tmp_path / "big_vocab"
+  write_prepared(big, stdlib_texts(10, 50), shards=1, tokenizer=TokenizerInfo(
+      name="/x/tokenizer.json", sha256="ab", vocab_size=262_144, bos_id=2, eos_id=106,
+      pad_id=0))
+  config.data.source = str(big)
+  with pytest.raises(ConfigError, match=r"model\.vocab_size=\d+ < the vocab 262144 .*"
+                     r"data\.source=.*big_vocab.*--config\.model\.vocab_size=262144") as e:
+    resolve(config)
+  assert "\n" not in str(e.value)
+  shifted = tmp_path / "bos"
+  write_prepared(shifted, stdlib_texts(10, 50), shards=1, tokenizer=TokenizerInfo(
+      name="byte", sha256="byte", vocab_size=259, bos_id=7, eos_id=2, pad_id=0))
+  config.data.source = str(shifted)
+  with pytest.raises(ConfigError, match=r"model\.bos_token_id=1 but the bos_id of its "
+                     r"tokenizer is 7 .*--config\.model\.bos_token_id=7"):
+    resolve(config)
+
+
+def test_console_summary_uses_the_manifest(corpus):
+  from zaya_jax.train import console  # pylint: disable=import-outside-toplevel
+  directory, docs = corpus
+  opened = prepared.PreparedCorpus(directory, 0.1)
+  text = console.data_summary(_cfg(directory), 1000)
+  assert text.startswith(f"{directory}: {opened.train_ids.size:,} train documents")
+  assert text.endswith(f", {opened.eval_ids.size:,} eval documents")
+  assert os.path.basename(directory) in text

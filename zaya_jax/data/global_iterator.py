@@ -1,0 +1,270 @@
+"""The process-count-independent training iterator over prepared corpora.
+
+# Shapes: B global batch rows (train.batch_size), b = B / P rows of this process (P processes),
+# T sequence length.
+
+Global batch k (counted from the iterator's start row R0) is global rows
+[R0 + k*B, R0 + (k+1)*B) of a row index (`zaya_jax.data.global_index`, or a mixture of such);
+process p builds rows [R0 + k*B + p*b, R0 + k*B + (p+1)*b), reading the records of its pieces
+by random access. The batches are a `grain.MapDataset` over k, so they are the same with 0 or
+N loader workers (`mp_prefetch` keeps the order), and the same global batch on any P.
+
+`GlobalBatchIterator`'s state counts batches handed out (prefetching does not matter) and is
+the same on every process:
+  {"format": "zaya-global-v1", "global_batch": k, "next_row": R0 + k*B, "seq_len": T,
+   "data": what identifies the rows (manifest digests, packing, mixture, seeds)}
+so it restores on another process count, worker count or batch size (it continues at
+`next_row`). A state of another `seq_len` is refused (`set_state` raises; the checkpointer
+restarts the data order with a warning instead, see zaya_jax/checkpoint/compat.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+from absl import logging
+import grain
+import numpy as np
+
+STATE_FORMAT = "zaya-global-v1"
+_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+
+
+class SingleSource:
+  """A RowIndex seen as a mixture of one source: `row(r) -> (0, pieces)`."""
+
+  def __init__(self, rows):
+    self.rows = rows
+    self.seq_len = rows.seq_len
+
+  def row(self, r: int):
+    return 0, self.rows.row(r)
+
+
+def assemble_rows(rows: list[tuple[int, list]], corpora: list, seq_len: int,
+                  pad_id: int) -> dict[str, np.ndarray]:
+  """[(source, pieces)] * b -> the batch dict of [b, T] arrays (zaya_jax/data/pipeline.py).
+
+  Each piece (doc, start, stop) becomes one segment: inputs = ids[start:stop], targets =
+  ids[start + 1:stop + 1], positions 0..stop-start-1, segment ids 1, 2, ... per row; the rest
+  of the row is padding (pad_id, segment 0, loss_mask 0).
+  """
+  b = len(rows)
+  inputs = np.full((b, seq_len), pad_id, np.int32)
+  targets = np.full((b, seq_len), pad_id, np.int32)
+  segment_ids = np.zeros((b, seq_len), np.int32)
+  positions = np.zeros((b, seq_len), np.int32)
+  cache: dict[tuple[int, int], np.ndarray] = {}
+  for i, (source, pieces) in enumerate(rows):
+    col = 0
+    for segment, (doc, start, stop) in enumerate(pieces, 1):
+      key = (source, doc)
+      if key not in cache:
+        cache[key] = corpora[source].tokens(doc)
+      ids = cache[key]
+      n = stop - start
+      if col + n > seq_len:
+        raise ValueError(f"row pieces overflow seq_len={seq_len}: {pieces}")
+      inputs[i, col:col + n] = ids[start:stop]
+      targets[i, col:col + n] = ids[start + 1:stop + 1]
+      segment_ids[i, col:col + n] = segment
+      positions[i, col:col + n] = np.arange(n, dtype=np.int32)
+      col += n
+  return {"inputs": inputs, "targets": targets, "segment_ids": segment_ids,
+          "positions": positions, "loss_mask": (segment_ids > 0).astype(np.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildBatch:
+  """k -> this process's [b, T] slice of global batch k (rows from `start_row`). Picklable."""
+
+  rows: Any  # row(r) -> (source, pieces)
+  corpora: tuple
+  seq_len: int
+  global_batch: int  # B
+  local_batch: int  # b
+  process_index: int
+  start_row: int
+  pad_id: int
+
+  def __call__(self, k: int) -> dict[str, np.ndarray]:
+    first = self.start_row + k * self.global_batch + self.process_index * self.local_batch
+    return assemble_rows([self.rows.row(first + j) for j in range(self.local_batch)],
+                         list(self.corpora), self.seq_len, self.pad_id)
+
+
+class GlobalBatchIterator(grain.DatasetIterator):
+  """Endless batches of a row index; its state is process-independent (module docstring).
+
+  Attributes:
+    process_independent: True: the checkpointer restores its state on any process count
+      and worker count.
+    seq_len: T; identity: the "data" entry of the state.
+  """
+
+  process_independent = True
+
+  def __init__(self, make: Callable[[int], grain.DatasetIterator], *, seq_len: int,
+               global_batch: int, identity: dict[str, Any]):
+    """`make(start_row)` builds the inner iterator whose k-th element is batch k from there."""
+    super().__init__()
+    self._make = make
+    self.seq_len = seq_len
+    self.global_batch = global_batch
+    self.identity = identity
+    self._start_row = 0
+    self._batches = 0  # handed out since the start row
+    self._batch_base = 0  # the global batch count at the start row
+    self._inner = make(0)
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._inner)
+    self._batches += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return {"format": STATE_FORMAT, "global_batch": self._batch_base + self._batches,
+            "next_row": self._start_row + self._batches * self.global_batch,
+            "seq_len": self.seq_len, "data": self.identity}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues at the state's `next_row` (rebuilding the inner pipeline there).
+
+    Raises:
+      ValueError: a state of another format (e.g. a raw-text pipeline's) or seq_len.
+    """
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+      raise ValueError(f"data iterator state is not a {STATE_FORMAT} state (written by another "
+                       "kind of data pipeline); resume with the data config that wrote it")
+    if int(state["seq_len"]) != self.seq_len:
+      raise ValueError(f"data iterator state counts rows of {state['seq_len']} tokens, this "
+                       f"iterator makes rows of {self.seq_len}")
+    if state.get("data") != self.identity:
+      logging.warning("data iterator: the data changed since the saved position (%s -> %s); "
+                      "continuing at global row %d of the new data (a new phase)",
+                      state.get("data"), self.identity, int(state["next_row"]))
+    self._start_row = int(state["next_row"])
+    self._batch_base = int(state["global_batch"])
+    self._batches = 0
+    self._inner = self._make(self._start_row)
+
+  def start_prefetch(self) -> None:
+    start = getattr(self._inner, "start_prefetch", None)
+    if start is not None:
+      start()
+
+
+def batch_dataset(build: BuildBatch, num_workers: int) -> grain.IterDataset:
+  """grain pipeline of `build` over k = 0, 1, ...: threads, or `num_workers` processes."""
+  batches = grain.MapDataset.range(0, 2**62).map(build).to_iter_dataset(_READ_OPTIONS)
+  if num_workers > 0:
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return batches
+
+
+def _row_index(cfg, corpus, seq_len: int, seed: int):
+  """The RowIndex of one source's train documents per data.packing."""
+  from zaya_jax.data import global_index  # pylint: disable=import-outside-toplevel
+  if cfg.packing == "best_fit":
+    from zaya_jax.data import best_fit  # pylint: disable=import-outside-toplevel
+    return best_fit.BestFitRows(corpus.lengths, corpus.train_ids, seed=(cfg.shuffle_seed, seed),
+                                seq_len=seq_len, window=cfg.best_fit_window,
+                                long_documents=cfg.long_documents)
+  try:
+    return global_index.ConcatRows(corpus.pairs, corpus.train_ids, seq_len, cfg.shuffle_seed,
+                                   seed)
+  except ValueError as e:
+    raise ValueError(f"data.source={corpus.directory!r}: {e}") from e
+
+
+def _check_processes(batch_size: int, process_index: int, process_count: int) -> None:
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size} (rows per process) must be >= 1.")
+
+
+def make_global_train_iterator(cfg, *, seq_len: int, batch_size: int, seed: int,
+                               process_index: int = 0,
+                               process_count: int = 1) -> GlobalBatchIterator:
+  """Training batches of the prepared corpora of `cfg` (data.source or data.mixture).
+
+  Args: as `zaya_jax.data.pipeline.make_train_iterator`; `batch_size` is this process's b,
+    the global batch is B = b * process_count.
+
+  Raises:
+    ValueError: (ManifestError included) naming the data.* field and the fix.
+  """
+  from zaya_jax.data import prepared  # pylint: disable=import-outside-toplevel
+  _check_processes(batch_size, process_index, process_count)
+  corpora = prepared.open_sources(cfg)
+  for corpus, _ in corpora:
+    if corpus.train_ids.size == 0:
+      raise ValueError(f"data.eval_fraction={cfg.eval_fraction} holds out every document of "
+                       f"{corpus.directory!r}; lower data.eval_fraction.")
+  indexes = [_row_index(cfg, corpus, seq_len, seed) for corpus, _ in corpora]
+  if cfg.mixture.strip():
+    from zaya_jax.data import mixture  # pylint: disable=import-outside-toplevel
+    rows = mixture.MixedRows(indexes, [w for _, w in corpora])
+  else:
+    rows = SingleSource(indexes[0])
+  global_b = batch_size * process_count
+  identity = {"digests": [c.digest for c, _ in corpora], "weights": [w for _, w in corpora],
+              "packing": cfg.packing, "eval_fraction": cfg.eval_fraction,
+              "seeds": [cfg.shuffle_seed, seed]}
+  if cfg.packing == "best_fit":
+    identity.update(window=cfg.best_fit_window, long_documents=cfg.long_documents)
+  pad_id = corpora[0][0].tokenizer.pad_id
+  sources = tuple(c for c, _ in corpora)
+  if cfg.num_workers > 0:
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    if not flags.FLAGS.is_parsed():  # grain reads its absl flags in the worker processes.
+      raise ValueError(
+          f"data.num_workers={cfg.num_workers} needs parsed absl flags; start the program "
+          "with absl.app.run(main) (or call absl.flags.FLAGS.mark_as_parsed()), or set "
+          "data.num_workers=0.")
+
+  def make(start_row: int):
+    build = BuildBatch(rows, sources, seq_len, global_b, batch_size, process_index, start_row,
+                       pad_id)
+    return iter(batch_dataset(build, cfg.num_workers))
+
+  return GlobalBatchIterator(make, seq_len=seq_len, global_batch=global_b, identity=identity)
+
+
+def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches: int,
+                             process_index: int = 0,
+                             process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """The first `max_batches` global batches of the held-out documents, this process's slice.
+
+  Per source, the eval documents in id order, concat-packed; a mixture's sources follow one
+  another. The batches are global (B = batch_size * process_count rows), so their count and
+  the eval loss do not depend on the process count; the last one is padded with empty rows.
+
+  Raises:
+    ValueError: naming data.eval_fraction if no source holds out a document.
+  """
+  from zaya_jax.data import global_index, prepared  # pylint: disable=import-outside-toplevel
+  if max_batches < 1:
+    raise ValueError(f"max_batches={max_batches} must be >= 1.")
+  _check_processes(batch_size, process_index, process_count)
+  corpora = [c for c, _ in prepared.open_sources(cfg)]
+  streams = [global_index.SequentialRows(c.pairs, c.eval_ids, seq_len) for c in corpora]
+  if not any(s.num_rows for s in streams):
+    raise ValueError(f"data.eval_fraction={cfg.eval_fraction} held out no document of "
+                     f"{[c.directory for c in corpora]} ({sum(len(c) for c in corpora)} "
+                     "documents); raise data.eval_fraction or set train.eval_batches=0.")
+  global_b = batch_size * process_count
+  limit = max_batches * global_b  # rows needed at most: nothing past them is indexed
+  rows = list(itertools.islice(((i, s.row(r)) for i, s in enumerate(streams)
+                                for r in range(s.num_rows)), limit))
+  count = min(max_batches, -(-len(rows) // global_b))
+  pad_id = corpora[0].tokenizer.pad_id
+  out = []
+  for k in range(count):
+    first = k * global_b + process_index * batch_size
+    mine = [rows[r] if r < len(rows) else (0, []) for r in range(first, first + batch_size)]
+    out.append(assemble_rows(mine, corpora, seq_len, pad_id))
+  return out
