@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from zaya_jax.data.mixture import parse_mixture
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -88,30 +90,3 @@ class DataConfig:
       raise ValueError(
           f"data.num_workers={self.num_workers} must be >= 0 (0 = in-process reading)."
       )
-
-
-def parse_mixture(text: str) -> list[tuple[str, float]]:
-  """"DIR_A:0.7,DIR_B:0.3" -> [("DIR_A", 0.7), ("DIR_B", 0.3)] (weights as given).
-
-  Raises:
-    ValueError: naming data.mixture, for an entry without ":WEIGHT", a weight that is not a
-      number > 0, or a directory listed twice.
-  """
-  out: list[tuple[str, float]] = []
-  for entry in (e.strip() for e in text.split(",")):
-    if not entry:
-      continue
-    path, sep, weight = entry.rpartition(":")
-    try:
-      value = float(weight)
-    except ValueError:
-      value = -1.0
-    if not sep or not path or not value > 0:
-      raise ValueError(f"data.mixture entry {entry!r} must be DIR:WEIGHT with a weight > 0, "
-                       "e.g. data.mixture='DIR_A:0.7,DIR_B:0.3'.")
-    if path in (p for p, _ in out):
-      raise ValueError(f"data.mixture lists {path!r} twice; give each directory once.")
-    out.append((path, value))
-  if not out:
-    raise ValueError("data.mixture has no entry; e.g. data.mixture='DIR_A:0.7,DIR_B:0.3'.")
-  return out

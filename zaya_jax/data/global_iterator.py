@@ -12,9 +12,12 @@ N loader workers (`mp_prefetch` keeps the order), and the same global batch on a
 `GlobalBatchIterator`'s state counts batches handed out (prefetching does not matter) and is
 the same on every process:
   {"format": "zaya-global-v1", "global_batch": k, "next_row": R0 + k*B, "seq_len": T,
-   "data": what identifies the rows (manifest digests, packing, mixture, seeds)}
+   "data": what identifies the rows (manifest digests, packing, seeds),
+   "mixture": the mixture's phases (`MixedRows.state()`), for data.mixture only}
 so it restores on another process count, worker count or batch size (it continues at
-`next_row`). A state of another `seq_len` is refused (`set_state` raises; the checkpointer
+`next_row`). A resume with other mixture weights starts a new phase at `next_row`
+(`MixedRows.with_phase`): every source continues where it stopped, none repeats or skips a
+row, and the change is logged. A state of another `seq_len` is refused (`set_state` raises; the checkpointer
 restarts the data order with a warning instead, see zaya_jax/checkpoint/compat.py).
 """
 
@@ -24,9 +27,11 @@ import dataclasses
 import itertools
 from typing import Any, Callable
 
-from absl import logging
+from absl import flags, logging
 import grain
 import numpy as np
+
+from zaya_jax.data import best_fit, global_index, mixture, prepared
 
 STATE_FORMAT = "zaya-global-v1"
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
@@ -106,18 +111,20 @@ class GlobalBatchIterator(grain.DatasetIterator):
 
   process_independent = True
 
-  def __init__(self, make: Callable[[int], grain.DatasetIterator], *, seq_len: int,
-               global_batch: int, identity: dict[str, Any]):
-    """`make(start_row)` builds the inner iterator whose k-th element is batch k from there."""
+  def __init__(self, make: Callable[[Any, int], grain.DatasetIterator], rows: Any, *,
+               seq_len: int, global_batch: int, identity: dict[str, Any]):
+    """`make(rows, start_row)` builds the inner iterator whose k-th element is batch k of
+    `rows` (a `SingleSource` or a `mixture.MixedRows`) from `start_row` on."""
     super().__init__()
     self._make = make
+    self.rows = rows
     self.seq_len = seq_len
     self.global_batch = global_batch
     self.identity = identity
     self._start_row = 0
     self._batches = 0  # handed out since the start row
     self._batch_base = 0  # the global batch count at the start row
-    self._inner = make(0)
+    self._inner = make(rows, 0)
 
   def __next__(self) -> dict[str, np.ndarray]:
     batch = next(self._inner)
@@ -125,9 +132,12 @@ class GlobalBatchIterator(grain.DatasetIterator):
     return batch
 
   def get_state(self) -> dict[str, Any]:
-    return {"format": STATE_FORMAT, "global_batch": self._batch_base + self._batches,
-            "next_row": self._start_row + self._batches * self.global_batch,
-            "seq_len": self.seq_len, "data": self.identity}
+    state = {"format": STATE_FORMAT, "global_batch": self._batch_base + self._batches,
+             "next_row": self._start_row + self._batches * self.global_batch,
+             "seq_len": self.seq_len, "data": self.identity}
+    if isinstance(self.rows, mixture.MixedRows):
+      state["mixture"] = self.rows.state()
+    return state
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continues at the state's `next_row` (rebuilding the inner pipeline there).
@@ -145,10 +155,31 @@ class GlobalBatchIterator(grain.DatasetIterator):
       logging.warning("data iterator: the data changed since the saved position (%s -> %s); "
                       "continuing at global row %d of the new data (a new phase)",
                       state.get("data"), self.identity, int(state["next_row"]))
-    self._start_row = int(state["next_row"])
+    next_row = int(state["next_row"])
+    if isinstance(self.rows, mixture.MixedRows):
+      self.rows = self._resumed_mixture(state.get("mixture"), next_row)
+    self._start_row = next_row
     self._batch_base = int(state["global_batch"])
     self._batches = 0
-    self._inner = self._make(self._start_row)
+    self._inner = self._make(self.rows, self._start_row)
+
+  def _resumed_mixture(self, saved: dict[str, Any] | None, next_row: int) -> mixture.MixedRows:
+    """The checkpoint's phases over this run's sources, plus a new phase at `next_row` if
+    this run's weights differ (logged)."""
+    current = self.rows
+    if saved is None:  # a state of a single-source run: this mixture starts at next_row
+      logging.warning("data.mixture: the saved data position is not a mixture's; the mixture "
+                      "%s starts at global row %d", dict(zip(current.names, current.weights)),
+                      next_row)
+      return current
+    resumed = mixture.MixedRows.from_state(saved, current.sources, current.names)
+    changed = resumed.with_phase(next_row, current.weights)
+    if changed is not resumed:
+      logging.warning("data.mixture changed at global row %d: %s -> %s (a new phase; every "
+                      "source continues where it stopped)", next_row,
+                      dict(zip(resumed.names, resumed.weights)),
+                      dict(zip(current.names, current.weights)))
+    return changed
 
   def start_prefetch(self) -> None:
     start = getattr(self._inner, "start_prefetch", None)
@@ -166,9 +197,7 @@ def batch_dataset(build: BuildBatch, num_workers: int) -> grain.IterDataset:
 
 def _row_index(cfg, corpus, seq_len: int, seed: int):
   """The RowIndex of one source's train documents per data.packing."""
-  from zaya_jax.data import global_index  # pylint: disable=import-outside-toplevel
   if cfg.packing == "best_fit":
-    from zaya_jax.data import best_fit  # pylint: disable=import-outside-toplevel
     return best_fit.BestFitRows(corpus.lengths, corpus.train_ids, seed=(cfg.shuffle_seed, seed),
                                 seq_len=seq_len, window=cfg.best_fit_window,
                                 long_documents=cfg.long_documents)
@@ -197,7 +226,6 @@ def make_global_train_iterator(cfg, *, seq_len: int, batch_size: int, seed: int,
   Raises:
     ValueError: (ManifestError included) naming the data.* field and the fix.
   """
-  from zaya_jax.data import prepared  # pylint: disable=import-outside-toplevel
   _check_processes(batch_size, process_index, process_count)
   corpora = prepared.open_sources(cfg)
   for corpus, _ in corpora:
@@ -206,12 +234,12 @@ def make_global_train_iterator(cfg, *, seq_len: int, batch_size: int, seed: int,
                        f"{corpus.directory!r}; lower data.eval_fraction.")
   indexes = [_row_index(cfg, corpus, seq_len, seed) for corpus, _ in corpora]
   if cfg.mixture.strip():
-    from zaya_jax.data import mixture  # pylint: disable=import-outside-toplevel
-    rows = mixture.MixedRows(indexes, [w for _, w in corpora])
+    rows = mixture.MixedRows(indexes, [w for _, w in corpora],
+                             names=[c.directory for c, _ in corpora])
   else:
     rows = SingleSource(indexes[0])
   global_b = batch_size * process_count
-  identity = {"digests": [c.digest for c, _ in corpora], "weights": [w for _, w in corpora],
+  identity = {"digests": [c.digest for c, _ in corpora],  # weights: in the mixture's phases
               "packing": cfg.packing, "eval_fraction": cfg.eval_fraction,
               "seeds": [cfg.shuffle_seed, seed]}
   if cfg.packing == "best_fit":
@@ -219,19 +247,19 @@ def make_global_train_iterator(cfg, *, seq_len: int, batch_size: int, seed: int,
   pad_id = corpora[0][0].tokenizer.pad_id
   sources = tuple(c for c, _ in corpora)
   if cfg.num_workers > 0:
-    from absl import flags  # pylint: disable=import-outside-toplevel
     if not flags.FLAGS.is_parsed():  # grain reads its absl flags in the worker processes.
       raise ValueError(
           f"data.num_workers={cfg.num_workers} needs parsed absl flags; start the program "
           "with absl.app.run(main) (or call absl.flags.FLAGS.mark_as_parsed()), or set "
           "data.num_workers=0.")
 
-  def make(start_row: int):
+  def make(rows, start_row: int):
     build = BuildBatch(rows, sources, seq_len, global_b, batch_size, process_index, start_row,
                        pad_id)
     return iter(batch_dataset(build, cfg.num_workers))
 
-  return GlobalBatchIterator(make, seq_len=seq_len, global_batch=global_b, identity=identity)
+  return GlobalBatchIterator(make, rows, seq_len=seq_len, global_batch=global_b,
+                             identity=identity)
 
 
 def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches: int,
@@ -246,7 +274,6 @@ def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches:
   Raises:
     ValueError: naming data.eval_fraction if no source holds out a document.
   """
-  from zaya_jax.data import global_index, prepared  # pylint: disable=import-outside-toplevel
   if max_batches < 1:
     raise ValueError(f"max_batches={max_batches} must be >= 1.")
   _check_processes(batch_size, process_index, process_count)

@@ -15,8 +15,10 @@ import hashlib
 import os
 from typing import Any
 
+import grain
 import numpy as np
 
+from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.data.manifest import (MANIFEST_FILE, TOKEN_DTYPE, Manifest, ManifestError,
                                     check_shards, is_prepared_dir, read_manifest)
 
@@ -107,7 +109,6 @@ class PreparedCorpus:
   def tokens(self, doc_id: int) -> np.ndarray:
     """int32 [lengths[doc_id]] token ids of one document (one record read)."""
     if self._source is None:
-      import grain  # pylint: disable=import-outside-toplevel
       self._source = grain.sources.ArrayRecordDataSource(
           [os.path.join(self.directory, s.path) for s in self.manifest.shards])
     ids = np.frombuffer(self._source[int(doc_id)], dtype=TOKEN_DTYPE).astype(np.int32)
@@ -129,7 +130,6 @@ def open_sources(cfg) -> list[tuple[PreparedCorpus, float]]:
     ManifestError: as PreparedCorpus, naming data.mixture / data.source; also when the
       corpora of a mixture were prepared with different tokenizers.
   """
-  from zaya_jax.data.config import parse_mixture  # pylint: disable=import-outside-toplevel
   if cfg.mixture.strip():
     entries, field = parse_mixture(cfg.mixture), "data.mixture"
   else:
@@ -170,7 +170,6 @@ def tokenizer_mismatch(cfg, vocab_size: int, special_ids: dict[str, int]) -> str
   Raises:
     ManifestError: if a manifest cannot be read.
   """
-  from zaya_jax.data.config import parse_mixture  # pylint: disable=import-outside-toplevel
   if cfg.mixture.strip():
     paths, field = [p for p, _ in parse_mixture(cfg.mixture)], "data.mixture"
   else:

@@ -19,6 +19,9 @@ import json
 import zlib
 from collections.abc import Iterator
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 _PARQUET_BATCH_ROWS = 1024  # rows decoded at a time from a parquet row group
 
@@ -122,9 +125,6 @@ def _jsonl_gz(path: str, field: str, bad_records: str,
 
 def _parquet(path: str, field: str, bad_records: str,
              skipped: list[str]) -> Iterator[tuple[str, str]]:
-  import pyarrow as pa  # pylint: disable=import-outside-toplevel
-  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-
   try:
     parquet = pq.ParquetFile(path)
   except (pa.ArrowInvalid, OSError) as e:

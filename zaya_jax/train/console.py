@@ -152,6 +152,8 @@ def step_line(step: int, num_steps: int, m: dict[str, Any]) -> str:
     parts.append(f"{m['step_time_s'] * 1e3:.0f} ms {si(m['tokens_per_s'])} tok/s{per_device} "
                  f"MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} ETA {duration(m['eta_s'])}")
   parts.append(f"mem {gib(m.get('peak_memory_bytes')).replace(' ', '')}")
+  if m.get("data/padding_fraction", 0.0) >= 0.0005:  # packing left padding (e.g. best_fit)
+    parts[-1] += f" pad {100 * m['data/padding_fraction']:.1f}%"
   parts.append(f"load max/mean {m['balance/max_over_mean_max']:.2f} "
                f"H {m['balance/load_entropy_min']:.2f} skip {m['balance/skip_rate_mean']:.2f} "
                f"router {m['router/entropy_mean']:.2f}")

@@ -401,6 +401,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
         record = {
             "kind": "train", "step": step, "loss": last_train_loss, "loss_last": float(m["loss"]),
             "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]), "tokens": float(m["tokens"]),
+            "data/padding_fraction": 1.0 - float(m["tokens"]) / tokens_per_step,  # logged step
             **rates, "peak_memory_bytes": accelerators.peak_memory_bytes()[0],
             "skipped_steps": int(m["skipped_steps"]),
             "moe/dropped_fraction": float(m["moe/dropped_fraction"]),
