@@ -198,7 +198,7 @@ def batch_dataset(build: BuildBatch, num_workers: int) -> grain.IterDataset:
 def _row_index(cfg, corpus, seq_len: int, seed: int):
   """The RowIndex of one source's train documents per data.packing."""
   if cfg.packing == "best_fit":
-    return best_fit.BestFitRows(corpus.lengths, corpus.train_ids, seed=(cfg.shuffle_seed, seed),
+    return best_fit.BestFitRows(corpus.pairs, corpus.train_ids, seed=(cfg.shuffle_seed, seed),
                                 seq_len=seq_len, window=cfg.best_fit_window,
                                 long_documents=cfg.long_documents)
   try:
