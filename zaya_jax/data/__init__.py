@@ -5,6 +5,7 @@ from zaya_jax.data.pipeline import (
     FinalizeBatch,
     TokenizeDocument,
     make_eval_batches,
+    make_eval_sets,
     make_train_iterator,
 )
 from zaya_jax.data.sources import DocumentRef, DocumentSource, list_documents, split_documents
@@ -22,6 +23,7 @@ __all__ = [
     "list_documents",
     "load_tokenizer",
     "make_eval_batches",
+    "make_eval_sets",
     "make_train_iterator",
     "split_documents",
 ]

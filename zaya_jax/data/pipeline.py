@@ -29,6 +29,7 @@ How documents become rows:
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from absl import flags
 import grain
@@ -36,6 +37,7 @@ import numpy as np
 
 from zaya_jax.data import global_iterator, prepared, sources
 from zaya_jax.data.config import DataConfig
+from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 # grain reads documents in threads; tokenization is GIL-bound Python (byte tokenizer) or
@@ -365,6 +367,31 @@ def make_eval_batches(
     if len(batches) == max_batches:
       break
   return batches
+
+
+def make_eval_sets(cfg: DataConfig, **kwargs) -> dict[str, list[dict[str, np.ndarray]]]:
+  """The eval batches per source: {"": `make_eval_batches(cfg, ...)`} for one corpus; for
+  `data.mixture`, {name: that source's first `max_batches` eval batches} with name = the
+  directory's basename (the directory itself if two share one), so each source's eval loss
+  is reported on its own (a mixture's weights do not mix the eval split).
+
+  Args: as `make_eval_batches` (keyword arguments).
+
+  Raises:
+    ValueError: as `make_eval_batches`, naming the source whose eval split is empty.
+  """
+  if not cfg.mixture.strip():
+    return {"": make_eval_batches(cfg, **kwargs)}
+  paths = [path for path, _ in parse_mixture(cfg.mixture)]
+  names = [os.path.basename(os.path.normpath(p)) for p in paths]
+  out = {}
+  for path, name in zip(paths, names):
+    single = dataclasses.replace(cfg, mixture="", source=path)
+    try:
+      out[name if names.count(name) == 1 else path] = make_eval_batches(single, **kwargs)
+    except ValueError as e:
+      raise ValueError(f"data.mixture source {path!r}: {e}") from e
+  return out
 
 
 def _pad_rows(batch: dict[str, np.ndarray], batch_size: int, pad_id: int) -> dict:

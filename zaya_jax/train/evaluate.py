@@ -48,6 +48,30 @@ def evaluate(eval_step, state: TrainState, batches: list[dict[str, jax.Array]]) 
           "expert_load": np.asarray(expert_load(np.asarray(counts_LX))).tolist()}
 
 
+def evaluate_sets(eval_step, state: TrainState,
+                  sets: dict[str, list[dict[str, jax.Array]]]) -> dict[str, Any]:
+  """`evaluate` over every batch of `sets` (each batch run once), plus, with more than one
+  set (a data.mixture's sources, `zaya_jax.data.make_eval_sets`), `"sources": {name: {"loss",
+  "tokens", "perplexity"}}` per set (losses in nats per token).
+
+  Raises:
+    ValueError: if `sets` holds no batch.
+  """
+  if not any(sets.values()):
+    raise ValueError("no eval batches")
+  per_set = {name: evaluate(eval_step, state, batches) for name, batches in sets.items()}
+  if len(per_set) == 1:
+    return next(iter(per_set.values()))
+  tokens = sum(r["tokens"] for r in per_set.values())
+  counts = sum(np.asarray(r["expert_load"], np.float64) * r["tokens"] for r in per_set.values())
+  return {  # token-weighted: the same sums as `evaluate` over all batches at once
+      "loss": sum(r["loss"] * r["tokens"] for r in per_set.values()) / max(tokens, 1.0),
+      "tokens": tokens, "expert_load": (counts / max(tokens, 1.0)).tolist(),
+      "sources": {name: {"loss": r["loss"], "tokens": r["tokens"],
+                         "perplexity": math.exp(min(r["loss"], 700.0))}
+                  for name, r in per_set.items()}}
+
+
 def load_summary(expert_load_LX) -> dict[str, list[float]]:
   """Per layer: `max_over_mean` (the largest expert's load / the experts' mean load, 1.0 =
   even; the skip class, last column, left out) and `skip_fraction` (share of tokens skipped).

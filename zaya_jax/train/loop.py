@@ -39,12 +39,12 @@ from absl import logging
 from zaya_jax.checkpoint import Checkpointer, config_record
 from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.logs import quiet_third_party
-from zaya_jax.data import make_eval_batches, make_train_iterator
+from zaya_jax.data import make_eval_sets, make_train_iterator
 from zaya_jax.model import sizing
 from zaya_jax.parallel import accelerators
 from zaya_jax.parallel.mesh import abstract_with_shardings, check_divisibility, make_mesh, use_mesh
 from zaya_jax.train import console
-from zaya_jax.train.evaluate import evaluate
+from zaya_jax.train.evaluate import evaluate_sets
 from zaya_jax.train.fault import StopSignals, Watchdog
 from zaya_jax.train.init_from import initial_state
 from zaya_jax.train.metrics import METRICS_FILE, MetricsWriter, with_perplexity
@@ -131,11 +131,14 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
     data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                     seed=train.seed, process_index=jax.process_index(),
                                     process_count=jax.process_count())
-    eval_batches = []
+    eval_sets = {}  # source name ("" for one corpus) -> its eval batches
     if train.eval_batches:
-      eval_batches = [global_batch(b, data_sharding) for b in make_eval_batches(
-          cfg.data, seq_len=train.seq_len, batch_size=local_batch, max_batches=train.eval_batches,
-          process_index=jax.process_index(), process_count=jax.process_count())]
+      eval_sets = {name: [global_batch(b, data_sharding) for b in batches]
+                   for name, batches in make_eval_sets(
+                       cfg.data, seq_len=train.seq_len, batch_size=local_batch,
+                       max_batches=train.eval_batches, process_index=jax.process_index(),
+                       process_count=jax.process_count()).items()}
+    eval_batches = [b for batches in eval_sets.values() for b in batches]
   except ValueError as e:
     raise ConfigError(str(e)) from e
 
@@ -236,7 +239,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
     jax.block_until_ready(state.step)  # the train steps dispatched so far stay in the window
     start = time.perf_counter()
     with window.excluded(), watchdog.guard(f"evaluation at step {step}"):
-      record = {"kind": "eval", "step": step, **evaluate(eval_step, state, eval_batches)}
+      record = {"kind": "eval", "step": step, **evaluate_sets(eval_step, state, eval_sets)}
     seconds = time.perf_counter() - start
     times["eval"] += seconds
     evals_run += 1
@@ -244,9 +247,10 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
     metrics_out.write(record)
     last_eval = with_perplexity(record)
     if is_main:
-      logging.info("eval step %d | loss %.4f | ppl %.2f | %d tokens | %.1f s", step,
+      logging.info("eval step %d | loss %.4f | ppl %.2f | %d tokens | %.1f s%s", step,
                    record["loss"], last_eval.get("perplexity", float("nan")), record["tokens"],
-                   seconds)
+                   seconds, "".join(f" | {name} {r['loss']:.4f}"
+                                    for name, r in record.get("sources", {}).items()))
 
   def save():
     jax.block_until_ready(state.step)
