@@ -76,7 +76,7 @@ def test_cli(trained, tmp_path):
   assert "loss" in proc.stderr and "layer 1: max/mean expert load" in proc.stderr
   assert not any(r.get("step") == 3 and r["kind"] == "eval" for r in
                  map(json.loads, open(workdir / "metrics.jsonl")))
-  proc = subprocess.run([*cmd[:3], "--step=99"], cwd=REPO, env=env, capture_output=True,
+  proc = subprocess.run([*cmd[:4], "--step=99"], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines()[-1].startswith("launch.evaluate: --step=99: no such "
