@@ -136,7 +136,7 @@ def test_resume_mid_epoch_and_on_another_process_count(corpus, workers):
   if workers:
     flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags (absl.app.run does this)
   reference = _iters(directory, processes=1, rows=P * b)[0]
-  expected = [next(reference) for _ in range(6)]
+  expected = [next(reference) for _ in range(8)]
   iters = _iters(directory, num_workers=workers)
   for k in range(3):
     got = _global(iters)
@@ -159,6 +159,14 @@ def test_resume_mid_epoch_and_on_another_process_count(corpus, workers):
       np.testing.assert_array_equal(got[key], expected[k][key], err_msg=f"{workers} {key}")
       np.testing.assert_array_equal(alone[key], expected[k][key], err_msg=f"{workers} {key}")
   assert single.get_state()["global_batch"] == 6
+  # And back: the one-process state restored on two processes.
+  two = _iters(directory)
+  for it in two:
+    it.set_state(single.get_state())
+  for k in range(6, 8):
+    got = _global(two)
+    for key in KEYS:
+      np.testing.assert_array_equal(got[key], expected[k][key], err_msg=f"1 -> 2 {key}")
 
 
 def test_state_refuses_another_seq_len_and_compat_keeps_it_across_process_counts(corpus):
