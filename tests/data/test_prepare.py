@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import tokenizers
 
+from zaya_jax.data import DataConfig, make_train_iterator
 from zaya_jax.data import manifest as manifest_lib
 from zaya_jax.data import prepare as prepare_lib
 from zaya_jax.data import readers
@@ -305,3 +306,29 @@ def test_bad_record_in_a_worker_stops_the_pool_with_its_line(tmp_path):
     prepare_lib.prepare([f"{tmp_path}/*.jsonl"], str(tmp_path / "out"),
                         prepare_lib.PrepareOptions("byte"), num_workers=2, progress=False)
   assert not os.path.exists(tmp_path / "out" / manifest_lib.MANIFEST_FILE)
+
+
+def test_training_batches_of_the_prepared_corpus_hold_every_document_once_per_epoch(corpus,
+                                                                                   prepared):
+  """prepare -> train: the 2-process global batches of `make_train_iterator` over the prepared
+  jsonl/gz/txt/parquet corpus, joined back into documents (a document ends at the pair whose
+  target is eos), give every document's ids exactly once in the first epoch."""
+  out, _ = prepared
+  byte = ByteTokenizer()
+  want = sorted(tuple(r) for r in expected_records(corpus[1], byte.encode, byte.bos_id,
+                                                    byte.eos_id))
+  cfg = DataConfig(source=out, tokenizer="byte", eval_fraction=0.0)
+  iters = [make_train_iterator(cfg, seq_len=16, batch_size=4, seed=0, process_index=p,
+                               process_count=2) for p in range(2)]
+  got, current = [], []
+  while len(got) < len(want):
+    for batch in [next(it) for it in iters]:  # process 0's rows, then process 1's
+      for r in range(batch["inputs"].shape[0]):
+        seg = batch["segment_ids"][r]
+        for s in range(1, seg.max() + 1):
+          where = np.flatnonzero(seg == s)
+          current += list(batch["inputs"][r, where])
+          if batch["targets"][r, where[-1]] == byte.eos_id:  # the document's last pair
+            got.append(tuple(current + [byte.eos_id]))
+            current = []
+  assert sorted(got[:len(want)]) == want
