@@ -107,12 +107,15 @@ class GlobalBatchIterator(grain.DatasetIterator):
     process_independent: True: the checkpointer restores its state on any process count
       and worker count.
     seq_len: T; identity: the "data" entry of the state.
+    corpora: [(PreparedCorpus, weight)] the rows are read from, opened once: the loop's
+      eval batches and console header reuse them (`make_eval_sets(..., corpora=)`).
   """
 
   process_independent = True
 
   def __init__(self, make: Callable[[Any, int], grain.DatasetIterator], rows: Any, *,
-               seq_len: int, global_batch: int, identity: dict[str, Any]):
+               seq_len: int, global_batch: int, identity: dict[str, Any],
+               corpora: list[tuple[Any, float]]):
     """`make(rows, start_row)` builds the inner iterator whose k-th element is batch k of
     `rows` (a `SingleSource` or a `mixture.MixedRows`) from `start_row` on."""
     super().__init__()
@@ -121,6 +124,7 @@ class GlobalBatchIterator(grain.DatasetIterator):
     self.seq_len = seq_len
     self.global_batch = global_batch
     self.identity = identity
+    self.corpora = corpora
     self._start_row = 0
     self._batches = 0  # handed out since the start row
     self._batch_base = 0  # the global batch count at the start row
@@ -259,13 +263,18 @@ def make_global_train_iterator(cfg, *, seq_len: int, batch_size: int, seed: int,
     return iter(batch_dataset(build, cfg.num_workers))
 
   return GlobalBatchIterator(make, rows, seq_len=seq_len, global_batch=global_b,
-                             identity=identity)
+                             identity=identity, corpora=corpora)
 
 
 def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches: int,
                              process_index: int = 0,
-                             process_count: int = 1) -> list[dict[str, np.ndarray]]:
+                             process_count: int = 1,
+                             corpora: list[tuple[Any, float]] | None = None
+                             ) -> list[dict[str, np.ndarray]]:
   """The first `max_batches` global batches of the held-out documents, this process's slice.
+
+  `corpora`: the opened sources of `cfg` (a training iterator's `corpora`), so that they are
+  not opened (lengths read, eval split hashed, shards checked) a second time; default: open.
 
   Per source, the eval documents in id order, concat-packed; a mixture's sources follow one
   another. The batches are global (B = batch_size * process_count rows), so their count and
@@ -277,7 +286,7 @@ def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches:
   if max_batches < 1:
     raise ValueError(f"max_batches={max_batches} must be >= 1.")
   _check_processes(batch_size, process_index, process_count)
-  corpora = [c for c, _ in prepared.open_sources(cfg)]
+  corpora = [c for c, _ in (corpora or prepared.open_sources(cfg))]
   streams = [global_index.SequentialRows(c.pairs, c.eval_ids, seq_len) for c in corpora]
   if not any(s.num_rows for s in streams):
     raise ValueError(f"data.eval_fraction={cfg.eval_fraction} held out no document of "

@@ -330,6 +330,7 @@ def make_eval_batches(
     max_batches: int,
     process_index: int = 0,
     process_count: int = 1,
+    corpora: list | None = None,
 ) -> list[dict[str, np.ndarray]]:
   """The first `max_batches` batches of the held-out split, unshuffled, read in-process.
 
@@ -342,7 +343,8 @@ def make_eval_batches(
     A list of dicts of [B, T] numpy arrays, the same format as training batches.
 
   A prepared directory: `zaya_jax.data.global_iterator.make_global_eval_batches` (global
-  batches, this process's slice: the same count on every process).
+  batches, this process's slice: the same count on every process), from `corpora` when given
+  (the training iterator's opened sources).
 
   Raises:
     ValueError: naming data.eval_fraction if the eval split is empty.
@@ -350,7 +352,7 @@ def make_eval_batches(
   if prepared.uses_prepared(cfg):
     return global_iterator.make_global_eval_batches(
         cfg, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches,
-        process_index=process_index, process_count=process_count)
+        process_index=process_index, process_count=process_count, corpora=corpora)
   if max_batches < 1:
     raise ValueError(f"max_batches={max_batches} must be >= 1.")
   tokenizer = load_tokenizer(cfg)
@@ -369,26 +371,29 @@ def make_eval_batches(
   return batches
 
 
-def make_eval_sets(cfg: DataConfig, **kwargs) -> dict[str, list[dict[str, np.ndarray]]]:
+def make_eval_sets(cfg: DataConfig, corpora: list | None = None,
+                   **kwargs) -> dict[str, list[dict[str, np.ndarray]]]:
   """The eval batches per source: {"": `make_eval_batches(cfg, ...)`} for one corpus; for
   `data.mixture`, {name: that source's first `max_batches` eval batches} with name = the
   directory's basename (the directory itself if two share one), so each source's eval loss
   is reported on its own (a mixture's weights do not mix the eval split).
 
-  Args: as `make_eval_batches` (keyword arguments).
+  Args: as `make_eval_batches` (keyword arguments); `corpora`: the training iterator's opened
+    sources, one per mixture entry in order (None: open them).
 
   Raises:
     ValueError: as `make_eval_batches`, naming the source whose eval split is empty.
   """
   if not cfg.mixture.strip():
-    return {"": make_eval_batches(cfg, **kwargs)}
+    return {"": make_eval_batches(cfg, corpora=corpora, **kwargs)}
   paths = [path for path, _ in parse_mixture(cfg.mixture)]
   names = [os.path.basename(os.path.normpath(p)) for p in paths]
   out = {}
-  for path, name in zip(paths, names):
+  for i, (path, name) in enumerate(zip(paths, names)):
     single = dataclasses.replace(cfg, mixture="", source=path)
     try:
-      out[name if names.count(name) == 1 else path] = make_eval_batches(single, **kwargs)
+      out[name if names.count(name) == 1 else path] = make_eval_batches(
+          single, corpora=None if corpora is None else [corpora[i]], **kwargs)
     except ValueError as e:
       raise ValueError(f"data.mixture source {path!r}: {e}") from e
   return out

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from zaya_jax.data import prepared, sources
+
 
 class LogWindow:
   """Losses and wall time of the steps since the last log line.
@@ -162,17 +164,17 @@ def step_line(step: int, num_steps: int, m: dict[str, Any]) -> str:
   return " | ".join(parts)
 
 
-def data_summary(data_cfg: Any, tokens_needed: int) -> str:
+def data_summary(data_cfg: Any, tokens_needed: int, corpora: list | None = None) -> str:
   """'stdlib: 1,234 train documents (~20.1M tokens, 0.03 epochs this run), 12 eval documents'.
 
   Counts come from listing the corpus (no tokenizing); train tokens are known only for the
   byte tokenizer (one token per UTF-8 byte, + BOS/EOS), from file sizes and .jsonl line
   lengths. `tokens_needed` = steps x tokens per step. Errors of the listing give '?'.
+  Prepared corpora: counts from `corpora` (the training iterator's opened sources, not
+  opened again), or from opening their manifests and lengths files.
   """
-  from zaya_jax.data import prepared, sources  # pylint: disable=import-outside-toplevel
-
   if prepared.uses_prepared(data_cfg):
-    return _prepared_summary(data_cfg, tokens_needed)
+    return _prepared_summary(data_cfg, tokens_needed, corpora)
   try:
     refs = sources.list_documents(data_cfg)
   except (ValueError, OSError):
@@ -186,15 +188,14 @@ def data_summary(data_cfg: Any, tokens_needed: int) -> str:
   return text + f", {len(held_out):,} eval documents"
 
 
-def _prepared_summary(data_cfg: Any, tokens_needed: int) -> str:
+def _prepared_summary(data_cfg: Any, tokens_needed: int, corpora: list | None) -> str:
   """data_summary of prepared corpora: counts from the manifests and lengths files, one
   'DIR: ...' part per source; '?' for a corpus that cannot be opened."""
-  from zaya_jax.data import prepared  # pylint: disable=import-outside-toplevel
-
-  try:
-    corpora = prepared.open_sources(dataclasses.replace(data_cfg, verify_checksums=False))
-  except (ValueError, OSError):
-    return f"{data_cfg.mixture or data_cfg.source}: ?"
+  if corpora is None:
+    try:
+      corpora = prepared.open_sources(dataclasses.replace(data_cfg, verify_checksums=False))
+    except (ValueError, OSError):
+      return f"{data_cfg.mixture or data_cfg.source}: ?"
   total = sum(w for _, w in corpora)
   parts = []
   for corpus, weight in corpora:

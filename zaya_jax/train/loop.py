@@ -40,6 +40,7 @@ from zaya_jax.checkpoint import Checkpointer, config_record
 from zaya_jax.config import ConfigError, RunConfig, resolve
 from zaya_jax.logs import quiet_third_party
 from zaya_jax.data import make_eval_sets, make_train_iterator
+from zaya_jax.data.global_iterator import GlobalBatchIterator
 from zaya_jax.model import sizing
 from zaya_jax.parallel import accelerators
 from zaya_jax.parallel.mesh import abstract_with_shardings, check_divisibility, make_mesh, use_mesh
@@ -131,11 +132,13 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
     data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                     seed=train.seed, process_index=jax.process_index(),
                                     process_count=jax.process_count())
+    # Prepared corpora are opened once, by the training iterator; eval and header reuse them.
+    opened = data_iter.corpora if isinstance(data_iter, GlobalBatchIterator) else None
     eval_sets = {}  # source name ("" for one corpus) -> its eval batches
     if train.eval_batches:
       eval_sets = {name: [global_batch(b, data_sharding) for b in batches]
                    for name, batches in make_eval_sets(
-                       cfg.data, seq_len=train.seq_len, batch_size=local_batch,
+                       cfg.data, corpora=opened, seq_len=train.seq_len, batch_size=local_batch,
                        max_batches=train.eval_batches, process_index=jax.process_index(),
                        process_count=jax.process_count()).items()}
     eval_batches = [b for batches in eval_sets.values() for b in batches]
@@ -204,7 +207,8 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
         accelerator=profile.name if profile else jax.devices()[0].platform,
         peak_flops=peak_flops, peak_measured=peak_measured, batch_size=train.batch_size,
         seq_len=train.seq_len,
-        data=console.data_summary(cfg.data, train.num_steps * train.batch_size * train.seq_len))
+        data=console.data_summary(cfg.data, train.num_steps * train.batch_size * train.seq_len,
+                                  corpora=opened))
     logging.info("%s", "\n".join(header))
     if train.inject_nan_at_steps:
       logging.warning("train.inject_nan_at_steps=%s: NaN loss and gradients will be injected "
