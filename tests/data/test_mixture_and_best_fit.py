@@ -6,6 +6,7 @@ model sees a best-fit row's documents exactly as it sees each alone."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,10 @@ from absl import flags
 
 from tests.data.prepared_corpus import write_prepared
 from tests.helpers import assert_close, random_model, tiny_model_config
+from tests.train.inproc import tiny_run_config
 from zaya_jax.data import ByteTokenizer, DataConfig, make_train_iterator
+from zaya_jax.train import run
+from zaya_jax.train.metrics import read_metrics
 
 A, B = ByteTokenizer().encode("a")[0], ByteTokenizer().encode("b")[0]
 T = 32  # seq_len
@@ -160,11 +164,6 @@ def test_training_on_a_mixture(corpora, tmp_path, caplog):
   """`run` on data.mixture: eval reported per source (the overall loss their token-weighted
   mean); stopped at step 4 and resumed with other weights, the checkpointed data state holds
   the new phase from global row 4 * B."""
-  import json  # pylint: disable=import-outside-toplevel
-
-  from tests.train.inproc import tiny_run_config  # pylint: disable=import-outside-toplevel
-  from zaya_jax.train import run  # pylint: disable=import-outside-toplevel
-  from zaya_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
 
   a, b = corpora
 

@@ -6,10 +6,15 @@ Unit tests of `extend_schedule` against `make_schedule` (the loop calls it with 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 
-from zaya_jax.config import ConfigError, TrainConfig
+from tests.train.inproc import tiny_run_config
+from zaya_jax.checkpoint import Checkpointer
+from zaya_jax.config import ConfigError, TrainConfig, resolve
+from zaya_jax.train import run
+from zaya_jax.train.metrics import read_metrics
 from zaya_jax.train.optim import make_schedule
 from zaya_jax.train.schedule_extend import extend_schedule
 
@@ -84,13 +89,6 @@ def test_resumed_run_through_the_loop(tmp_path):
   """End to end through `run`: a finished 6-step cosine run resumed with num_steps=9 is
   refused (nothing written), then "constant" trains steps 7-9 at the old final lr and
   "stretch" (on a copy) at the schedule recomputed over 9 steps."""
-  import shutil  # pylint: disable=import-outside-toplevel
-
-  from tests.train.inproc import tiny_run_config  # pylint: disable=import-outside-toplevel
-  from zaya_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
-  from zaya_jax.config import resolve  # pylint: disable=import-outside-toplevel
-  from zaya_jax.train import run  # pylint: disable=import-outside-toplevel
-  from zaya_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
 
   work, copy = tmp_path / "a", tmp_path / "b"
   run(tiny_run_config(), str(work))
