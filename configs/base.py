@@ -67,6 +67,8 @@ def get_config() -> ml_collections.ConfigDict:
   d.tokenizer = "byte"  # "byte" (vocab 259: pad 0, bos 1, eos 2) or a path to a tokenizer file
   d.eval_fraction = 0.02  # fraction of documents held out for evaluation, in [0, 1)
   d.shuffle_seed = 0  # seed of the document shuffle (independent of train.seed)
+  d.shuffle_rows = True  # a batch takes rows from a seeded permutation of each shuffle_window packed rows (not consecutive cuts of one document)
+  d.shuffle_window = 10_000  # rows per row-shuffle window; raw text buffers it (shuffle_window*seq_len*16 bytes per process)
   d.num_workers = 0  # grain worker processes; 0 = read in the training process
   d.add_bos = True  # prepend bos_token_id to every document
   d.add_eos = True  # append eos_token_id to every document
@@ -142,8 +144,8 @@ def get_config() -> ml_collections.ConfigDict:
   # expert-routed tokens each). Bias units are probability units (added to the softmax).
   b = config.balance = ml_collections.ConfigDict()
   b.enabled = True  # update the biases every step; False = they keep their values
-  # "quantile": the biases that route this batch exactly evenly (per-class quantile of the
-  #   tokens' margins), applied to the next batch | "adamw": AdamW on the biases with gradient
+  # "quantile": every class's bias moves to the quantile of its tokens' score gaps that would
+  #   have routed this step's batch evenly, for the next steps (quantile_apply) | "adamw": AdamW on the biases with gradient
   #   (routed share - 1/E) (ZAYA1-8B report) | "pid": bias += kp*e + ki*integral(e) +
   #   kd*(e - e_prev), e = 1/E - share | "sign": bias += rate*sign(e) (DeepSeek-V3)
   b.mode = "quantile"
@@ -157,14 +159,17 @@ def get_config() -> ml_collections.ConfigDict:
   b.adamw_b2 = 0.99  # "adamw": second-moment decay
   b.adamw_eps = 1e-8  # "adamw": epsilon of the denominator (units of a token share)
   b.adamw_weight_decay = 0.0  # "adamw": decoupled weight decay on the controlled biases
-  # "quantile": "current" = each layer solves the biases from the batch it routes and routes
-  # it with them (every step's load even to a token; with train.grad_accum_steps > 1 each
-  # micro-batch for itself; training only: evaluation and generation route with the stored
-  # biases, the last solve's) | "next" = solve them from this step's batch, route the next
-  # steps with them (Megatron-LM, Kimi K3; per-step load then follows how much batches differ)
-  b.quantile_apply = "current"
-  b.quantile_ema = 0.0  # "quantile": b <- ema*b + (1-ema)*solved each step; 0 = the solved biases
-  b.quantile_sweeps = 64  # "quantile": most coordinate sweeps per solve (it stops once every class is within 1 token)
+  # "quantile": "next" (default, causal) = after each step, move every class's bias by the
+  #   quantile of its tokens' score gaps (read from one all-reduced histogram [L, X, 162]) that
+  #   would have given it its share of this step's batch; the next steps are routed with the
+  #   result, so no token's route depends on its own batch | "current" (opt-in, NOT causal)
+  #   = each layer solves exact biases from the batch it routes and routes that batch with
+  #   them (even to a token every step, but a token's expert then depends on later tokens and
+  #   other sequences, evaluation routes differently, and the solve costs ~35 sequential
+  #   all-reduces per class and sweep per layer: ~10^5 per step at ZAYA1-base scale)
+  b.quantile_apply = "next"
+  b.quantile_ema = 0.5  # "quantile": b <- ema*b + (1-ema)*solved each step; 0.5 halves the simultaneous step ("next": it may overshoot 2x otherwise)
+  b.quantile_sweeps = 64  # "quantile" with "current": most coordinate sweeps of the exact solve (it stops once every class is within 1 token)
   b.bias_clamp = 0.0  # controlled biases stay in [-this, this]; 0 = no clamp
   # Target fraction of tokens routed to the skip class; None (or < 0) = off: the skip bias
   # keeps its initial value (-1, so the skip class practically never wins).

@@ -24,6 +24,9 @@ from zaya_jax.data import sources
 
 BYTE = data.ByteTokenizer()
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+# Rows per row-shuffle window in these tests: small, so that a window fills from a corpus of a
+# few short documents at once and the resume tests stop inside and across windows.
+WINDOW = 5
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -163,7 +166,8 @@ def test_hf_tokenizer_pipeline_batch(tmp_path):
   )
   (tmp_path / "a.txt").write_text("hello world hello")
   (tmp_path / "b.txt").write_text("world world")
-  cfg = data.DataConfig(source=str(tmp_path / "*.txt"), tokenizer=path, eval_fraction=0.0)
+  cfg = data.DataConfig(source=str(tmp_path / "*.txt"), tokenizer=path, eval_fraction=0.0,
+                        shuffle_rows=False)
   it = data.make_train_iterator(cfg, seq_len=8, batch_size=2, seed=0)
   batch = next(it)
   _check_batch_invariants(batch, 2, 8, pad_id=0)
@@ -177,7 +181,7 @@ def test_hf_tokenizer_pipeline_batch(tmp_path):
 def test_packing_keeps_documents_whole_and_contiguous(tmp_path):
   lengths = [3, 9, 14, 15, 16, 40, 1, 7, 33, 5]  # some longer than T = 16
   pattern, texts = _write_txt_corpus(tmp_path, lengths)
-  cfg = data.DataConfig(source=pattern, eval_fraction=0.0)
+  cfg = data.DataConfig(source=pattern, eval_fraction=0.0, shuffle_rows=False)
   seq_len, batch_size = 16, 2
   it = data.make_train_iterator(cfg, seq_len=seq_len, batch_size=batch_size, seed=3)
   tokens_per_epoch = sum(len(_byte_doc(t)) - 1 for t in texts)
@@ -198,7 +202,7 @@ def test_packing_without_bos_eos(tmp_path):
   (tmp_path / "a.txt").write_text("abcdef")
   (tmp_path / "z.txt").write_text("z")  # one token, nothing to predict: dropped
   cfg = data.DataConfig(source=f"{tmp_path}/*.txt", eval_fraction=0.0, add_bos=False,
-                        add_eos=False)
+                        add_eos=False, shuffle_window=WINDOW)
   batch = next(data.make_train_iterator(cfg, seq_len=5, batch_size=3, seed=0))
   np.testing.assert_array_equal(batch["inputs"], [BYTE.encode("abcde")] * 3)
   np.testing.assert_array_equal(batch["targets"], [BYTE.encode("bcdef")] * 3)
@@ -207,7 +211,7 @@ def test_packing_without_bos_eos(tmp_path):
 
 def test_train_iterator_is_deterministic_per_seed(tmp_path):
   pattern, _ = _write_txt_corpus(tmp_path, [20 + i for i in range(12)])
-  cfg = data.DataConfig(source=pattern, eval_fraction=0.0)
+  cfg = data.DataConfig(source=pattern, eval_fraction=0.0, shuffle_window=WINDOW)
   make = lambda seed: _take(data.make_train_iterator(cfg, seq_len=32, batch_size=2, seed=seed), 4)
   _assert_same(make(0), make(0))
   assert not np.array_equal(make(0)[0]["inputs"], make(1)[0]["inputs"])
@@ -218,7 +222,8 @@ def test_train_iterator_is_deterministic_per_seed(tmp_path):
 
 def test_train_eval_split_is_disjoint_and_stable(tmp_path):
   texts = _write_jsonl_corpus(tmp_path / "a.jsonl", 300)
-  cfg = data.DataConfig(source=str(tmp_path / "a.jsonl"), eval_fraction=0.2)
+  cfg = data.DataConfig(source=str(tmp_path / "a.jsonl"), eval_fraction=0.2,
+                        shuffle_rows=False)  # documents are re-joined across rows below
   refs = sources.list_documents(cfg)
   assert [r.doc_id for r in refs[:2]] == [f"{tmp_path}/a.jsonl:1", f"{tmp_path}/a.jsonl:2"]
   train, held_out = sources.split_documents(refs, 0.2)
@@ -258,7 +263,8 @@ def test_eval_batches_are_deterministic_and_padded(tmp_path):
 
 def test_processes_read_disjoint_documents(tmp_path):
   texts = _write_jsonl_corpus(tmp_path / "a.jsonl", 40)
-  cfg = data.DataConfig(source=str(tmp_path / "a.jsonl"), eval_fraction=0.0)
+  cfg = data.DataConfig(source=str(tmp_path / "a.jsonl"), eval_fraction=0.0,
+                        shuffle_rows=False)  # documents are re-joined across rows below
   seen = []
   for process_index in range(2):
     it = data.make_train_iterator(
@@ -275,7 +281,7 @@ def test_processes_read_disjoint_documents(tmp_path):
 @pytest.mark.parametrize("k", [0, 1, 5, 13])
 def test_iterator_state_resumes_exactly(tmp_path, k):
   pattern, _ = _write_txt_corpus(tmp_path, [5, 50, 17, 90, 3, 31, 64, 8])
-  cfg = data.DataConfig(source=pattern, eval_fraction=0.0)
+  cfg = data.DataConfig(source=pattern, eval_fraction=0.0, shuffle_window=WINDOW)
   make = lambda: data.make_train_iterator(cfg, seq_len=16, batch_size=3, seed=7)
   it = make()
   _take(it, k)
@@ -289,7 +295,7 @@ def test_iterator_state_resumes_exactly(tmp_path, k):
 
 def test_grain_checkpoint_save_restore(tmp_path):
   pattern, _ = _write_txt_corpus(tmp_path, [12, 40, 7, 25, 60])
-  cfg = data.DataConfig(source=pattern, eval_fraction=0.0)
+  cfg = data.DataConfig(source=pattern, eval_fraction=0.0, shuffle_window=WINDOW)
   make = lambda: data.make_train_iterator(cfg, seq_len=16, batch_size=2, seed=1)
   it = make()
   _take(it, 3)
@@ -308,7 +314,7 @@ def test_position_carries_over_a_seq_len_change(tmp_path, new_len):
   (issue 14: at T=64 it skipped 32 tokens, at T=16 repeated 16). Training rows have no
   padding, so the flattened rows are the token stream itself, which must not depend on T."""
   pattern, _ = _write_txt_corpus(tmp_path, [150, 7, 90, 200, 33, 120, 64, 180, 11])
-  cfg = data.DataConfig(source=pattern, eval_fraction=0.0)
+  cfg = data.DataConfig(source=pattern, eval_fraction=0.0, shuffle_rows=False)
   make = lambda t: data.make_train_iterator(cfg, seq_len=t, batch_size=2, seed=3)
   stream = lambda batches, key: np.concatenate([b[key].reshape(-1) for b in batches])
   straight = _take(make(32), 20)
@@ -327,10 +333,69 @@ def test_position_carries_over_a_seq_len_change(tmp_path, new_len):
     _check_batch_invariants(batch, 2, new_len)
 
 
+def test_row_shuffle_permutes_each_window_of_packed_rows(tmp_path):
+  """With data.shuffle_rows the rows of each window of W packed rows come out permuted: the
+  multiset of rows of window w equals the unshuffled stream's rows [wW, (w+1)W), their order
+  differs, and it depends on the seed."""
+  pattern, _ = _write_txt_corpus(tmp_path, [150, 7, 90, 200, 33, 120, 64, 180, 11])
+  window, rows = 6, 3  # 2 batches of 3 rows per window
+  make = lambda shuffle, seed=3: data.make_train_iterator(
+      data.DataConfig(source=pattern, eval_fraction=0.0, shuffle_rows=shuffle,
+                      shuffle_window=window), seq_len=16, batch_size=rows, seed=seed)
+  as_rows = lambda batches: [tuple(r) for b in batches for r in b["inputs"]]
+  plain, shuffled = as_rows(_take(make(False), 8)), as_rows(_take(make(True), 8))
+  for w in range(4):
+    part = slice(w * window, (w + 1) * window)
+    assert sorted(shuffled[part]) == sorted(plain[part]), w
+  assert shuffled != plain
+  assert as_rows(_take(make(True, seed=4), 8)) != shuffled
+
+
+def test_row_shuffle_resume_across_a_seq_len_change_and_a_shuffle_change(tmp_path, caplog):
+  """Resuming a shuffled state at another T re-cuts the interrupted window from its start
+  (a warning says its rows already read are read again); a state without the shuffle starts
+  shuffling at its exact position, and a shuffled state read without the shuffle restarts the
+  window in order: every case warns, and none skips a token of the stream."""
+  pattern, _ = _write_txt_corpus(tmp_path, [150, 7, 90, 200, 33, 120, 64, 180, 11])
+  make = lambda t, shuffle: data.make_train_iterator(
+      data.DataConfig(source=pattern, eval_fraction=0.0, shuffle_rows=shuffle,
+                      shuffle_window=4), seq_len=t, batch_size=2, seed=3)
+  stream = lambda batches: np.concatenate([b["inputs"].reshape(-1) for b in batches])
+  plain = stream(_take(make(32, False), 40))
+  it = make(32, True)
+  _take(it, 3)  # 6 rows: window 1 (rows 4..7), 2 of its rows read
+  state = json.loads(json.dumps(it.get_state()))
+  assert state["pos_in_window"] == 2
+  with caplog.at_level("WARNING"):
+    resumed = make(16, True)
+    resumed.saved_seq_len = 32
+    resumed.set_state(state)
+  assert "read again" in caplog.text
+  # Window 1 at T=16 is 4 rows from token 4 * 32 of the unshuffled stream, permuted.
+  got = np.sort(np.stack([r for b in _take(resumed, 2) for r in b["inputs"]]), axis=0)
+  want = np.sort(plain[4 * 32:4 * 32 + 4 * 16].reshape(4, 16), axis=0)
+  np.testing.assert_array_equal(got, want)
+  caplog.clear()
+  off = make(32, False)
+  with caplog.at_level("WARNING"):
+    off.set_state(state)
+  assert "repeated" in caplog.text
+  np.testing.assert_array_equal(stream(_take(off, 2)), plain[4 * 32:8 * 32])
+  caplog.clear()
+  unshuffled = make(32, False)
+  _take(unshuffled, 3)
+  on = make(32, True)
+  with caplog.at_level("WARNING"):
+    on.set_state(json.loads(json.dumps(unshuffled.get_state())))
+  assert "shuffled from here on" in caplog.text
+  got = np.sort(np.stack([r for b in _take(on, 2) for r in b["inputs"]]), axis=0)
+  np.testing.assert_array_equal(got, np.sort(plain[6 * 32:10 * 32].reshape(4, 32), axis=0))
+
+
 def test_worker_processes_resume_exactly(tmp_path):
   flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags (absl.app.run does this)
   pattern, _ = _write_txt_corpus(tmp_path, [12, 40, 7, 25, 60, 9, 33])
-  cfg = data.DataConfig(source=pattern, eval_fraction=0.0, num_workers=2)
+  cfg = data.DataConfig(source=pattern, eval_fraction=0.0, num_workers=2, shuffle_window=WINDOW)
   make = lambda: data.make_train_iterator(cfg, seq_len=16, batch_size=2, seed=1)
   it = make()
   _take(it, 4)

@@ -317,7 +317,8 @@ def test_training_batches_of_the_prepared_corpus_hold_every_document_once_per_ep
   byte = ByteTokenizer()
   want = sorted(tuple(r) for r in expected_records(corpus[1], byte.encode, byte.bos_id,
                                                     byte.eos_id))
-  cfg = DataConfig(source=out, tokenizer="byte", eval_fraction=0.0)
+  cfg = DataConfig(source=out, tokenizer="byte", eval_fraction=0.0,
+                   shuffle_rows=False)  # documents are re-joined across consecutive rows
   iters = [make_train_iterator(cfg, seq_len=16, batch_size=4, seed=0, process_index=p,
                                process_count=2) for p in range(2)]
   got, current = [], []

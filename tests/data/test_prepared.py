@@ -20,7 +20,7 @@ from tests.data.prepared_corpus import stdlib_texts, write_prepared
 from zaya_jax import data
 from zaya_jax.checkpoint import compat
 from zaya_jax.config import ConfigError, resolve
-from zaya_jax.data import global_index, prepared
+from zaya_jax.data import global_index, global_iterator, prepared, row_shuffle
 from zaya_jax.data.manifest import TokenizerInfo
 
 T, b, P, SEED = 32, 4, 2, 3
@@ -71,7 +71,7 @@ def test_rows_are_the_epochs_concatenated_and_cut(corpus):
   opened = prepared.PreparedCorpus(directory, 0.1)
   pairs_per_epoch = int(opened.pairs[opened.train_ids].sum())
   steps = -(-3 * pairs_per_epoch // (2 * P * b * T))  # 1.5 epochs: a row straddles epochs
-  iters = _iters(directory)
+  iters = _iters(directory, shuffle_rows=False)
   got = [_global(iters) for _ in range(steps)]
   got = {k: np.concatenate([g[k] for g in got]) for k in KEYS}
   order = np.concatenate([global_index.epoch_order(opened.train_ids, 5, SEED, e)
@@ -101,11 +101,44 @@ def test_every_train_document_once_per_epoch_across_processes(corpus):
     assert flat[0] == 0 and flat[-1] == docs[doc].size - 1, (doc, spans)
     assert all(flat[i] == flat[i + 1] for i in range(1, len(flat) - 1, 2)), (doc, spans)
   # The two processes' slices of a global batch are disjoint rows of that index.
-  a, c = _iters(directory)
+  a, c = _iters(directory, shuffle_rows=False)
   first_a, first_c = next(a), next(c)
   want = _reference_rows(docs, rows.epoch(0)[0], 2 * b)["inputs"]
   np.testing.assert_array_equal(first_a["inputs"], want[:b])
   np.testing.assert_array_equal(first_c["inputs"], want[b:])
+
+
+def test_shuffled_rows_permute_each_window_on_any_process_count(corpus):
+  """data.shuffle_rows: global batches hold the unshuffled index's rows permuted within each
+  window of W rows (W capped at one epoch's rows), the same on 1 and 2 processes, and fewer
+  row pairs of a batch share a document than without the shuffle."""
+  directory, _ = corpus
+  opened = prepared.PreparedCorpus(directory, 0.1)
+  plain = global_index.ConcatRows(opened.pairs, opened.train_ids, T, 5, SEED)
+  window = 16
+  cfg = _cfg(directory, shuffle_window=window)
+  assert global_iterator.shuffle_window(cfg, opened, T) == window  # below one epoch's rows
+  steps = 3 * window // (P * b)  # 3 windows
+  iters2 = _iters(directory, shuffle_window=window)
+  iters1 = _iters(directory, processes=1, rows=P * b, shuffle_window=window)
+  got2 = [_global(iters2) for _ in range(steps)]
+  got1 = [_global(iters1) for _ in range(steps)]
+  for k in KEYS:
+    np.testing.assert_array_equal(np.concatenate([g[k] for g in got1]),
+                                  np.concatenate([g[k] for g in got2]), err_msg=k)
+  rows = row_shuffle.ShuffledRows(plain, window, (5, SEED))
+  physical = [rows.physical(r) for r in range(3 * window)]
+  for w in range(3):
+    assert sorted(physical[w * window:(w + 1) * window]) == list(range(w * window,
+                                                                       (w + 1) * window))
+  assert physical != list(range(3 * window))
+  want = global_iterator.assemble_rows([(0, rows.row(r)) for r in range(3 * window)], [opened],
+                                       T, opened.tokenizer.pad_id)
+  np.testing.assert_array_equal(np.concatenate([g["inputs"] for g in got2]), want["inputs"])
+  batch = P * b
+  share = lambda index: row_shuffle.same_document_share(
+      [[index.row(s * batch + i) for i in range(batch)] for s in range(steps)])
+  assert share(rows) < share(plain)
 
 
 def test_eval_split_disjoint_and_process_independent(corpus):

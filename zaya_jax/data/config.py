@@ -33,6 +33,12 @@ class DataConfig:
   # document id, so the split does not depend on the corpus order, the seed or the process.
   eval_fraction: float = 0.02
   shuffle_seed: int = 0  # document shuffling seed (combined with the train seed)
+  # Row shuffle (zaya_jax/data/row_shuffle.py): a global batch takes its rows from a seeded
+  # permutation of each window of `shuffle_window` consecutive packed rows, so its rows are
+  # not consecutive cuts of the same few documents. Raw text buffers the window in memory
+  # (shuffle_window * seq_len * 16 bytes per process); prepared corpora store nothing.
+  shuffle_rows: bool = True
+  shuffle_window: int = 10_000  # rows per row-shuffle window (>= 1)
   num_workers: int = 0  # grain worker processes; 0 = read and tokenize in-process
   add_bos: bool = True  # prepend the tokenizer's bos_id to every document
   add_eos: bool = True  # append the tokenizer's eos_id to every document
@@ -81,6 +87,12 @@ class DataConfig:
     if self.long_documents not in ("truncate", "drop"):
       raise ValueError(f"data.long_documents={self.long_documents!r} must be 'truncate' or "
                        "'drop'.")
+    if not isinstance(self.shuffle_rows, bool):
+      raise ValueError(f"data.shuffle_rows={self.shuffle_rows!r} must be True or False.")
+    if isinstance(self.shuffle_window, bool) or not isinstance(
+        self.shuffle_window, int) or self.shuffle_window < 1:
+      raise ValueError(f"data.shuffle_window={self.shuffle_window!r} must be an integer >= 1 "
+                       "(rows per row-shuffle window, e.g. 10000).")
     if self.best_fit_window < 1:
       raise ValueError(f"data.best_fit_window={self.best_fit_window} must be >= 1 (documents "
                        "per packing window).")

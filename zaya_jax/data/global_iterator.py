@@ -4,7 +4,8 @@
 # T sequence length.
 
 Global batch k (counted from the iterator's start row R0) is global rows
-[R0 + k*B, R0 + (k+1)*B) of a row index (`zaya_jax.data.global_index`, or a mixture of such);
+[R0 + k*B, R0 + (k+1)*B) of a row index (`zaya_jax.data.global_index`, or a mixture of such;
+with data.shuffle_rows each source's rows are permuted within windows, `row_shuffle`);
 process p builds rows [R0 + k*B + p*b, R0 + k*B + (p+1)*b), reading the records of its pieces
 by random access. The batches are a `grain.MapDataset` over k, so they are the same with 0 or
 N loader workers (`mp_prefetch` keeps the order), and the same global batch on any P.
@@ -31,7 +32,7 @@ from absl import flags, logging
 import grain
 import numpy as np
 
-from zaya_jax.data import best_fit, global_index, mixture, prepared
+from zaya_jax.data import best_fit, global_index, mixture, prepared, row_shuffle
 
 STATE_FORMAT = "zaya-global-v1"
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
@@ -200,16 +201,31 @@ def batch_dataset(build: BuildBatch, num_workers: int) -> grain.IterDataset:
 
 
 def _row_index(cfg, corpus, seq_len: int, seed: int):
-  """The RowIndex of one source's train documents per data.packing."""
+  """The RowIndex of one source's train documents per data.packing, row-shuffled per
+  data.shuffle_rows (`zaya_jax.data.row_shuffle`; each mixture source on its own, so a
+  mixture phase change still continues every source's row stream)."""
   if cfg.packing == "best_fit":
-    return best_fit.BestFitRows(corpus.pairs, corpus.train_ids, seed=(cfg.shuffle_seed, seed),
+    rows = best_fit.BestFitRows(corpus.pairs, corpus.train_ids, seed=(cfg.shuffle_seed, seed),
                                 seq_len=seq_len, window=cfg.best_fit_window,
                                 long_documents=cfg.long_documents)
-  try:
-    return global_index.ConcatRows(corpus.pairs, corpus.train_ids, seq_len, cfg.shuffle_seed,
-                                   seed)
-  except ValueError as e:
-    raise ValueError(f"data.source={corpus.directory!r}: {e}") from e
+  else:
+    try:
+      rows = global_index.ConcatRows(corpus.pairs, corpus.train_ids, seq_len,
+                                     cfg.shuffle_seed, seed)
+    except ValueError as e:
+      raise ValueError(f"data.source={corpus.directory!r}: {e}") from e
+  if cfg.shuffle_rows:
+    rows = row_shuffle.ShuffledRows(rows, shuffle_window(cfg, corpus, seq_len),
+                                    (cfg.shuffle_seed, seed))
+  return rows
+
+
+def shuffle_window(cfg, corpus, seq_len: int) -> int:
+  """Rows per row-shuffle window of one source: data.shuffle_window, capped at a lower bound
+  of the rows of one epoch (sum of min(pairs, T) over the train documents, / T), so that a
+  window spans at most about two epochs and the row indexes' two cached epochs serve it."""
+  epoch_rows = int(np.minimum(corpus.pairs[corpus.train_ids], seq_len).sum()) // seq_len
+  return max(1, min(cfg.shuffle_window, epoch_rows))
 
 
 def _check_processes(batch_size: int, process_index: int, process_count: int) -> None:
@@ -248,6 +264,8 @@ def make_global_train_iterator(cfg, *, seq_len: int, batch_size: int, seed: int,
               "seeds": [cfg.shuffle_seed, seed]}
   if cfg.packing == "best_fit":
     identity.update(window=cfg.best_fit_window, long_documents=cfg.long_documents)
+  if cfg.shuffle_rows:
+    identity.update(shuffle_window=cfg.shuffle_window)
   pad_id = corpora[0][0].tokenizer.pad_id
   sources = tuple(c for c, _ in corpora)
   if cfg.num_workers > 0:

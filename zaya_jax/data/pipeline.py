@@ -21,9 +21,12 @@ How documents become rows:
     cannot see its earlier context anyway; the target of the last token of the first piece
     is still the true next token).
   * Training repeats forever; each epoch is reshuffled (grain folds the epoch into the
-    shuffle seed). The iterator state is a few integers: restoring replays at most one
-    partially packed row, so resume is exact and cheap, also when T changes
-    (`PackedIterator`, `carry_position`).
+    shuffle seed). With data.shuffle_rows the packed rows are then shuffled in windows of
+    data.shuffle_window rows (`zaya_jax.data.row_shuffle`), so a batch's rows are not
+    consecutive cuts of the same document. The iterator state is a few integers: restoring
+    replays at most one partially packed row (and, with the row shuffle, re-packs the current
+    window), so resume is exact and cheap, also when T changes (`PackedIterator`,
+    `carry_position`).
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from absl import flags
+from absl import flags, logging
 import grain
 import numpy as np
 
-from zaya_jax.data import global_iterator, prepared, sources
+from zaya_jax.data import global_iterator, prepared, row_shuffle, sources
 from zaya_jax.data.config import DataConfig
 from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -92,6 +95,9 @@ class FinalizeBatch:
     }
 
 
+_WINDOW_START = "parent_window_start_state"  # grain's WindowShuffle iterator state key
+
+
 def _slices_as_tuples(state):
   """Copy of an iterator state with every `remainder_slices` entry turned back into a tuple.
 
@@ -121,15 +127,23 @@ class PackedIterator(grain.DatasetIterator):
   `train.seq_len` change on resume neither skips nor repeats tokens. `set_state` also repairs
   the JSON round trip of the slices (`_slices_as_tuples`).
 
+  With data.shuffle_rows the packed rows pass through grain's `WindowShuffleIterDataset`
+  (windows of `shuffle_window` rows, `zaya_jax.data.row_shuffle`); the state is then
+  `{"parent_window_start_state": the packing state at the window's start, "window_index",
+  "pos_in_window"}`: restoring re-packs that window and drops the rows already read. A state
+  of the other kind (the shuffle turned on or off on resume) is converted, with a warning.
+
   Attributes:
     seq_len: T of the rows this iterator yields.
     saved_seq_len: T the next `set_state` state counts in; None = `seq_len`.
+    shuffle_window: rows per row-shuffle window, 0 without the shuffle.
   """
 
   def __init__(self, parent: grain.DatasetIterator, seq_len: int,
-               tokens: grain.MapDataset | None):
+               tokens: grain.MapDataset | None, shuffle_window: int = 0):
     super().__init__(parent)
     self.seq_len = seq_len
+    self.shuffle_window = shuffle_window  # rows per row-shuffle window; 0 = no shuffle
     self.saved_seq_len: int | None = None
     self._tokens = tokens  # documents in packing order (None: built in worker processes)
 
@@ -142,11 +156,36 @@ class PackedIterator(grain.DatasetIterator):
   def set_state(self, state):
     state = _slices_as_tuples(state)
     saved = self.saved_seq_len or self.seq_len
-    if saved != self.seq_len:
-      if self._tokens is None:
+    if self._tokens is None:  # worker processes: per-worker states, passed through as saved
+      if saved != self.seq_len:
         raise ValueError(f"cannot convert a data position from rows of {saved} tokens to "
                          f"{self.seq_len} with data.num_workers > 0")
-      state = carry_position(state, saved, self.seq_len, self._document_length)
+      self._parent.set_state(state)
+      return
+    shuffled_state = isinstance(state, dict) and _WINDOW_START in state
+    packing = state[_WINDOW_START] if shuffled_state else state
+    if saved != self.seq_len:
+      packing = carry_position(packing, saved, self.seq_len, self._document_length)
+      if shuffled_state and state["pos_in_window"]:
+        logging.warning("data: train.seq_len changed inside a row-shuffle window; its %d "
+                        "rows are cut anew at %d tokens from the window's start, so the "
+                        "tokens of the %d rows already read are read again",
+                        self.shuffle_window, self.seq_len, state["pos_in_window"])
+      if shuffled_state:
+        state = {**state, _WINDOW_START: packing, "pos_in_window": 0}
+    if not shuffled_state:
+      state = packing
+    if self.shuffle_window and not shuffled_state:
+      logging.warning("data: the saved position has no row shuffle (data.shuffle_rows was "
+                      "off); rows are shuffled from here on, in windows of %d",
+                      self.shuffle_window)
+      state = {_WINDOW_START: packing, "window_index": 0, "pos_in_window": 0}
+    elif not self.shuffle_window and shuffled_state:
+      logging.warning("data: the saved position is inside a row-shuffle window and "
+                      "data.shuffle_rows is now off; the window's rows are read again in "
+                      "order from its start (%d rows already read are repeated)",
+                      state["pos_in_window"])
+      state = state[_WINDOW_START]
     self._parent.set_state(state)
 
   def _document_length(self, index: int) -> int:
@@ -243,14 +282,20 @@ def _packed_batches(
     seq_len: int,
     batch_size: int,
     drop_remainder: bool,
+    shuffle_window: int = 0,
+    shuffle_seed: int = 0,
 ) -> grain.IterDataset:
-  """tokenized documents -> ConcatThenSplit(T) -> batch(B) -> FinalizeBatch."""
+  """tokenized documents -> ConcatThenSplit(T) -> [WindowShuffle(W)] -> batch(B) ->
+  FinalizeBatch; `shuffle_window` 0 = rows in packing order."""
   if seq_len < 1 or batch_size < 1:
     raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must both be >= 1.")
   rows = grain.experimental.ConcatThenSplitIterDataset(
       tokens.to_iter_dataset(_READ_OPTIONS),
       length_struct={"inputs": seq_len, "targets": seq_len},
   )
+  if shuffle_window:
+    rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=shuffle_window,
+                                                       seed=shuffle_seed)
   return rows.batch(batch_size, drop_remainder=drop_remainder).map(
       FinalizeBatch(tokenizer.pad_id)
   )
@@ -307,8 +352,10 @@ def make_train_iterator(
       .repeat(None)  # infinite; each epoch reshuffled
   )
   tokens = _tokens(documents, tokenizer, cfg)
+  window = cfg.shuffle_window if cfg.shuffle_rows else 0
   batches = _packed_batches(
-      tokens, tokenizer, seq_len=seq_len, batch_size=batch_size, drop_remainder=True
+      tokens, tokenizer, seq_len=seq_len, batch_size=batch_size, drop_remainder=True,
+      shuffle_window=window, shuffle_seed=row_shuffle.window_seed((cfg.shuffle_seed, seed)),
   )
   if cfg.num_workers > 0:
     if not flags.FLAGS.is_parsed():  # grain reads its absl flags in the worker processes.
@@ -319,7 +366,7 @@ def make_train_iterator(
       )
     batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
     tokens = None  # the workers' state is per worker: no position conversion
-  return PackedIterator(iter(batches), seq_len, tokens)
+  return PackedIterator(iter(batches), seq_len, tokens, window)
 
 
 def make_eval_batches(
