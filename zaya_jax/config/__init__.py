@@ -193,9 +193,11 @@ class BalanceConfig:
   adamw_b2: float = 0.99  # "adamw": second-moment decay
   adamw_eps: float = 1e-8  # "adamw": denominator epsilon (units of the error, a token share)
   adamw_weight_decay: float = 0.0  # "adamw": decoupled weight decay on the controlled biases
-  quantile_apply: str = "current"  # "quantile": "current" = route this batch with its own solve | "next" = the next batch
-  quantile_ema: float = 0.0  # "quantile": b <- ema * b + (1 - ema) * solved; 0 = use the solved biases
+  quantile_apply: str = "next"  # "quantile": "next" = route the next steps (causal) | "current" = this batch (not causal)
+  quantile_ema: float = 0.5  # "quantile": b <- ema * b + (1 - ema) * solved; 0 = use the solved biases
   quantile_sweeps: int = 64  # "quantile": most coordinate sweeps over the classes per solve
+  quantile_iters: int = 1  # "quantile" "next": histogram steps per train step (one all-reduce each)
+  quantile_step: float = 1.0  # "quantile" "next": fraction of each histogram step taken
   bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp
   skip_target: float | None = None  # target fraction of tokens skipping the experts; None/<0 = off
   router_z_loss: float = 0.0  # coefficient of the router z-loss added to the training loss
@@ -226,6 +228,14 @@ class BalanceConfig:
         self.quantile_sweeps, int) or self.quantile_sweeps < 1:
       raise ConfigError(f"balance.quantile_sweeps={self.quantile_sweeps!r} must be an integer "
                         ">= 1 (e.g. 16)")
+    if isinstance(self.quantile_iters, bool) or not isinstance(
+        self.quantile_iters, int) or self.quantile_iters < 1:
+      raise ConfigError(f"balance.quantile_iters={self.quantile_iters!r} must be an integer "
+                        ">= 1 (histogram steps per train step, e.g. 1)")
+    if isinstance(self.quantile_step, bool) or not isinstance(
+        self.quantile_step, (int, float)) or not 0 < self.quantile_step <= 1:
+      raise ConfigError(f"balance.quantile_step={self.quantile_step!r} must be a number in "
+                        "(0, 1] (the fraction of each histogram step taken, e.g. 1.0)")
     if isinstance(self.integral_clamp, bool) or not isinstance(
         self.integral_clamp, (int, float)) or not self.integral_clamp > 0:
       raise ConfigError(f"balance.integral_clamp={self.integral_clamp!r} must be > 0 "

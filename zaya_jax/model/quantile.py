@@ -39,9 +39,13 @@ end on one side, without NaN.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax.ops.sharding import batch_axes, single_device
 
 # Bisection steps on each threshold: halves the initial interval (at most 3 probability units:
 # margins lie in [-2, 1]) 32 times, to below the float32 spacing of the margins, so the search
@@ -153,6 +157,123 @@ def quantile_biases(probs_LMX: jax.Array, valid_M: jax.Array, biases_LX: jax.Arr
     return (i < sweeps) & (off > 1)
 
   return jax.lax.while_loop(unbalanced, sweep, (jnp.int32(0), biases_LX))[1]
+
+
+# Finite bin edges of the score gap d (probability units; `histogram_biases`): 0 and
+# +-1e-5 * 2^(k/4) for k = 0 .. 79 (up to ~9.5, beyond any gap of biases within +-4), so a bin
+# spans 19% of its distance from the boundary: 161 edges, 162 bins.
+_POSITIVE_EDGES = 1e-5 * 2.0 ** (jnp.arange(80, dtype=jnp.float32) / 4)
+GAP_EDGES = jnp.concatenate([-_POSITIVE_EDGES[::-1], jnp.zeros((1,), jnp.float32),
+                             _POSITIVE_EDGES])
+
+
+def gap_histogram(probs_LMX: jax.Array, valid_M: jax.Array, biases_LX: jax.Array) -> jax.Array:
+  """int32 [L, X, K]: per layer and class, the valid tokens per bin of their score gap.
+
+  A token's score gap for class x is `d = (p[x] + b[x]) - max_{y != x} (p[y] + b[y])`: it is
+  routed to x iff d > 0, and a bias change of -delta on x alone admits exactly the tokens with
+  d > delta. Bin i of K = len(GAP_EDGES) + 1 holds `GAP_EDGES[i-1] <= d < GAP_EDGES[i]` (the
+  first and last bins are open).
+
+  Under a mesh (the token axis M split in blocks over every mesh axis, as the batch is) each
+  device bins its own tokens inside `jax.shard_map` and one `psum` of the [L, X, K] partial
+  histograms is the only cross-device traffic: one all-reduce per call, whatever L, X or M.
+  """
+  local = functools.partial(_local_gap_histogram, biases_LX=biases_LX.astype(jnp.float32))
+  if single_device():
+    return local(probs_LMX, valid_M)
+  axes = batch_axes()
+  summed = lambda p, v: jax.lax.psum(local(p, v), axes)
+  return jax.shard_map(summed, in_specs=(P(None, axes, None), P(axes)), out_specs=P(),
+                       check_vma=False)(probs_LMX, valid_M)
+
+
+def _local_gap_histogram(probs_LMX: jax.Array, valid_M: jax.Array,
+                         biases_LX: jax.Array) -> jax.Array:
+  """`gap_histogram` of the tokens at hand (no cross-device reduction)."""
+  probs_LMX = probs_LMX.astype(jnp.float32)
+  num_layers, _, num_classes = probs_LMX.shape
+  scores_LMX = probs_LMX + biases_LX[:, None, :]
+  top2_LM2 = jax.lax.top_k(scores_LMX, 2)[0]
+  # max over the other classes: the runner-up for the top class, the top score otherwise
+  is_top_LMX = scores_LMX >= top2_LM2[..., :1]
+  other_LMX = jnp.where(is_top_LMX, top2_LM2[..., 1:], top2_LM2[..., :1])
+  bin_LMX = jnp.searchsorted(GAP_EDGES, scores_LMX - other_LMX, side="right")
+  k = GAP_EDGES.shape[0] + 1
+  segment_LMX = (jnp.arange(num_layers)[:, None, None] * num_classes
+                 + jnp.arange(num_classes)[None, None, :]) * k + bin_LMX
+  weight_LMX = jnp.broadcast_to(valid_M[None, :, None], scores_LMX.shape).astype(jnp.int32)
+  hist = jax.ops.segment_sum(weight_LMX.reshape(-1), segment_LMX.reshape(-1),
+                             num_segments=num_layers * num_classes * k)
+  return hist.reshape(num_layers, num_classes, k)
+
+
+def gap_quantile(hist_LXK: jax.Array, target_LX: jax.Array) -> jax.Array:
+  """float32 [L, X]: the shift delta with `target` tokens of gap above it, read from the
+  histogram (linear within a bin; clamped to the outermost finite edges)."""
+  hist_LXK = hist_LXK.astype(jnp.float32)
+  # at_or_above[j] = tokens with d >= GAP_EDGES[j] = bins j+1 .. K-1
+  at_or_above_LXJ = jnp.cumsum(hist_LXK[..., ::-1], axis=-1)[..., ::-1][..., 1:]
+  target_LX1 = target_LX.astype(jnp.float32)[..., None]
+  j_LX = jnp.sum(at_or_above_LXJ >= target_LX1, axis=-1) - 1  # last edge with >= target above
+  last = GAP_EDGES.shape[0] - 1
+  jc_LX = jnp.clip(j_LX, 0, last - 1)
+  lo_LX, hi_LX = GAP_EDGES[jc_LX], GAP_EDGES[jc_LX + 1]
+  count_lo_LX = jnp.take_along_axis(at_or_above_LXJ, jc_LX[..., None], -1)[..., 0]
+  in_bin_LX = jnp.take_along_axis(hist_LXK, jc_LX[..., None] + 1, -1)[..., 0]
+  frac_LX = jnp.clip((count_lo_LX - target_LX) / jnp.maximum(in_bin_LX, 1.0), 0.0, 1.0)
+  delta_LX = lo_LX + frac_LX * (hi_LX - lo_LX)
+  delta_LX = jnp.where(j_LX < 0, GAP_EDGES[0], delta_LX)
+  return jnp.where(j_LX >= last, GAP_EDGES[last], delta_LX)
+
+
+def histogram_biases(probs_LMX: jax.Array, valid_M: jax.Array, biases_LX: jax.Array,
+                     skip_target: float | None, iters: int = 1,
+                     step: float = 1.0) -> jax.Array:
+  """One simultaneous (Jacobi) quantile step for every class, float32 [L, X]: each solved
+  class's bias moves by minus the gap quantile that would give it its `class_targets` count
+  with the other biases as they are (`gap_histogram`, `gap_quantile`).
+
+  The step that `balance.quantile_apply="next"` takes after each training step, from that
+  step's router probabilities, for the next steps: one all-reduce of the [L, X, K] histogram,
+  whatever the number of classes, layers or devices (the exact `quantile_biases` needs ~35
+  global reductions per class and sweep). Moving all classes at once double-counts the tokens
+  that two classes exchange (the step is Newton's with the Jacobian's diagonal), so it may
+  overshoot by up to 2x: `balance.quantile_ema` 0.5 (the default) halves it. The expert biases
+  are centred (mean 0) when the skip bias is fixed; a layer with no expert-routed tokens
+  keeps its biases.
+
+  Args:
+    probs_LMX, valid_M, biases_LX, skip_target: as `quantile_biases`.
+
+  Returns:
+    The full-step biases (`quantile_step` mixes them with the current ones by the EMA).
+  """
+  biases_LX = biases_LX.astype(jnp.float32)
+  for _ in range(iters):
+    biases_LX = biases_LX - step * _histogram_delta(probs_LMX, valid_M, biases_LX, skip_target)
+  return biases_LX
+
+
+def _histogram_delta(probs_LMX, valid_M, biases_LX, skip_target):
+  """float32 [L, X]: minus the bias change of one full `histogram_biases` step."""
+  num_experts = biases_LX.shape[-1] - 1
+  skip_on = skip_target is not None and skip_target >= 0
+  hist_LXK = gap_histogram(probs_LMX, valid_M, biases_LX)
+  n_L = jnp.sum(hist_LXK[:, 0, :], axis=-1)  # every valid token, once per class
+  zero_bin = GAP_EDGES.shape[0] // 2 + 1  # the first bin at or above d = 0
+  on_skip_L = jnp.sum(hist_LXK[:, -1, zero_bin:], axis=-1)
+  skip_L = jnp.round(skip_target * n_L).astype(jnp.int32) if skip_on else None
+  placed_L = n_L if skip_on else n_L - on_skip_L
+  target_LX = class_targets(placed_L, num_experts, skip_L)
+  delta_LX = gap_quantile(hist_LXK, target_LX)
+  solved_X = jnp.arange(num_experts + 1) < (num_experts + 1 if skip_on else num_experts)
+  delta_LX = jnp.where(solved_X, delta_LX, 0.0)
+  if not skip_on:
+    delta_LX = jnp.where(solved_X, delta_LX - jnp.sum(delta_LX, -1, keepdims=True) / num_experts,
+                         0.0)
+  active_L1 = (placed_L - (skip_L if skip_on else 0) > 0)[:, None]
+  return jnp.where(active_L1, delta_LX, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,7 +62,7 @@ from flax import nnx
 
 from zaya_jax.config import BalanceConfig
 from zaya_jax.model.router import BalancingBias
-from zaya_jax.model.quantile import quantile_biases
+from zaya_jax.model.quantile import histogram_biases
 
 # {"integral", "prev_error": float32 [L, X], "adamw": the optax AdamW state over [L, X] biases}
 BalanceState = dict[str, Any]
@@ -200,8 +200,8 @@ def quantile_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
   if not cfg.enabled:
     return biases_LX, state
   if solved_LX is None:
-    solved_LX = quantile_biases(jax.lax.stop_gradient(probs_LMX), valid_M, biases_LX,
-                                cfg.skip_target, cfg.quantile_sweeps)
+    solved_LX = histogram_biases(jax.lax.stop_gradient(probs_LMX), valid_M, biases_LX,
+                                 cfg.skip_target, cfg.quantile_iters, cfg.quantile_step)
   new_LX = cfg.quantile_ema * biases_LX + (1.0 - cfg.quantile_ema) * solved_LX
   return jnp.where(apply, clamp_controlled(cfg, new_LX), biases_LX), state
 

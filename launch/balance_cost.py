@@ -1,0 +1,58 @@
+"""Collectives per training step of each load-balancing mode, counted in the compiled HLO.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m launch.balance_cost \
+      --config=configs/zaya1_tiny.py --config.mesh.data=8 --config.mesh.fsdp=1
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m launch.balance_cost \
+      --config=configs/zaya1_base.py --config.mesh.fsdp=8 --config.train.batch_size=8
+
+The step is compiled from abstract inputs (nothing is allocated), so ZAYA1-base compiles on
+fake CPU devices; batch size and sequence length default to the config's train.batch_size and
+train.seq_len. Ops inside loops are counted times their trip counts. Logic:
+`zaya_jax.perf.balance_cost`.
+"""
+
+import json
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from zaya_jax.config import ConfigError
+from zaya_jax.logs import quiet_third_party
+from zaya_jax.perf import balance_cost, benchmark
+
+quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
+_VARIANTS = flags.DEFINE_list(
+    "variants", ["none", "quantile:next", "adamw", "pid", "sign", "quantile:current"],
+    "Balancing variants (none, pid, sign, adamw, quantile:next, quantile:current).")
+_OUT = flags.DEFINE_string("out", None, "Write the counts to this JSON file.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    cfgs = benchmark.bench_configs(_CONFIG.value)
+    r = balance_cost.balance_collectives(
+        cfgs.model, cfgs.train, cfgs.mesh, _VARIANTS.value, batch_size=cfgs.train.batch_size,
+        seq_len=cfgs.train.seq_len, log=lambda line: print(line, flush=True))
+  except (ConfigError, ValueError) as e:
+    sys.exit(f"invalid arguments: {e}")
+  print(balance_cost.format_table(r, cfgs.model.num_layers))
+  if _OUT.value:
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      json.dump(r, f, indent=1)
+    print(f"wrote {_OUT.value}")
+
+
+def run_main():
+  """Console script `zaya-balance-cost` (pyproject.toml): as `python -m launch.balance_cost`."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run_main()

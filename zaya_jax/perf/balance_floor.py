@@ -1,0 +1,96 @@
+# Shape letters: L M X (see zaya_jax/__init__.py); S steps.
+"""The load-balance floor of a lagged (causal) balancing rule, measured on a frozen model.
+
+A causal rule routes batch s with biases fixed before it sees batch s. The best such biases
+for one step are those solved exactly on the previous batch (`quantile_biases` of batch s-1:
+the "oracle"); what they leave on batch s is sampling noise between batches, not controller
+lag. This module freezes a trained checkpoint, reads the run's own training batches (the
+shuffled rows of its data config) and reports, per step s = 1 .. S-1, the worst layer's
+max/mean expert load of batch s under
+
+  oracle    the exact solve of batch s-1 (the floor: no causal rule does better per step on
+            average with the model fixed),
+  histogram the default rule (`histogram_biases`, `balance.quantile_ema`) run over the same
+            frozen batches from the stored biases,
+  stored    the checkpoint's stored biases (what evaluation and generation use),
+
+and their medians. Nothing trains; the model is the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zaya_jax.checkpoint import restore_model_state
+from zaya_jax.config import RunConfig
+from zaya_jax.data import make_train_iterator
+from zaya_jax.model.quantile import histogram_biases, quantile_biases, route_counts
+from zaya_jax.parallel.mesh import abstract_with_shardings, make_mesh, use_mesh
+from zaya_jax.train.balance import get_biases
+from zaya_jax.train.setup import setup_training
+
+
+def worst_max_over_mean(counts_LX: np.ndarray) -> float:
+  """max over layers of (busiest expert's tokens / mean expert tokens), skip class excluded."""
+  experts = np.asarray(counts_LX, np.float64)[:, :-1]
+  return float(np.max(experts.max(-1) / np.maximum(experts.mean(-1), 1e-30)))
+
+
+def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: int,
+                  start_batch: int = 0) -> dict[str, Any]:
+  """Per-step worst-layer max/mean of batches 1 .. num_batches-1 (module docstring).
+
+  Args:
+    cfg: the run's config (its data, batch and model).
+    ckpt_dir, step: the run's checkpoints directory and step (None: latest).
+    num_batches: S >= 2 training batches read from the start of the data order (after
+      skipping `start_batch`).
+
+  Returns:
+    {"oracle": [S-1], "histogram": [S-1], "stored": [S-1], and "median_<name>" of each}.
+  """
+  if num_batches < 2:
+    raise ValueError(f"num_batches={num_batches} must be >= 2")
+  mesh = make_mesh(cfg.mesh)
+  with use_mesh(mesh):
+    built = setup_training(cfg.model, cfg.train, mesh, None)
+    target = abstract_with_shardings(built.abstract_state, built.state_sharding).to_items()["model"]
+    model_state = restore_model_state(ckpt_dir, target, step)
+    params, rest = nnx.split_state(model_state, nnx.Param, ...)
+    stored_LX = get_biases(rest)
+
+    @jax.jit
+    def probs_of(params, rest, batch):
+      model = nnx.merge(built.graphdef, params, rest, copy=True)
+      _, aux = model.backbone(batch["inputs"], batch["segment_ids"], batch["positions"])
+      return aux["router_probs"], batch["segment_ids"].reshape(-1) > 0
+
+    exact = jax.jit(quantile_biases, static_argnums=(3, 4))
+    hist = jax.jit(histogram_biases, static_argnums=(3, 4, 5))
+    counts = jax.jit(route_counts)
+    it = make_train_iterator(cfg.data, seq_len=cfg.train.seq_len,
+                             batch_size=cfg.train.batch_size, seed=cfg.train.seed)
+    for _ in range(start_batch):
+      next(it)
+    bal = cfg.balance
+    out: dict[str, list[float]] = {"oracle": [], "histogram": [], "stored": []}
+    prev = None
+    b_hist = stored_LX
+    for _ in range(num_batches):
+      probs, valid = probs_of(params, rest, {k: jnp.asarray(v) for k, v in next(it).items()})
+      if prev is not None:
+        solved = exact(prev[0], prev[1], stored_LX, bal.skip_target, bal.quantile_sweeps)
+        out["oracle"].append(worst_max_over_mean(counts(probs, valid, solved)))
+        out["histogram"].append(worst_max_over_mean(counts(probs, valid, b_hist)))
+        out["stored"].append(worst_max_over_mean(counts(probs, valid, stored_LX)))
+      step_LX = hist(probs, valid, b_hist, bal.skip_target, bal.quantile_iters,
+                     bal.quantile_step)
+      b_hist = bal.quantile_ema * b_hist + (1.0 - bal.quantile_ema) * step_LX
+      prev = (probs, valid)
+  return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()}}
