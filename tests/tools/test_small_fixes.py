@@ -59,7 +59,7 @@ def test_field_docs_reads_trailing_and_leading_comments():
   assert docs["model.num_experts"].startswith("E, routed experts")
   # Comment block above the field (no trailing comment), section ruler excluded:
   assert docs["model.sliding_window"].startswith('Tokens a "hybrid_sliding" query sees')
-  assert docs["balance.mode"].startswith('"quantile": the biases that route this batch')
+  assert docs["balance.mode"].startswith('"quantile": every class\'s bias moves to the quantile')
   assert "---" not in docs["model.vocab_size"]
 
 

@@ -7,12 +7,16 @@ each train step's forward, `update_model_state` moves them from that step's rout
 whole global batch, for the next step (paper §2; DeepSeek-V3's "auxiliary-loss-free"
 balancing; ZAYA1-8B report §II-A.2). Four rules (`balance.mode`):
 
-  "quantile"  the biases that would have routed this batch exactly evenly, solved from the
-              batch's router probabilities (zaya_jax/model/quantile.py), applied to the next
-              batch; optional EMA `b <- ema * b + (1 - ema) * solved`. With
-              `quantile_apply="current"` each layer solves them from the batch it routes and
-              routes that batch with them (even to a token every step); the stored biases
-              (for evaluation and export) are the last solve's.
+  "quantile"  (default, `quantile_apply="next"`) every class's bias moves by minus the
+              quantile of its tokens' score gaps that would have given it its share of this
+              step's batch, read from one all-reduced histogram [L, X, 162]
+              (`zaya_jax.model.quantile.histogram_biases`; `quantile_iters` such steps, each
+              `quantile_step` of the way), mixed by the EMA `b <- ema * b + (1 - ema) *
+              solved`; the next steps are routed with the result, so the rule is causal.
+              With `quantile_apply="current"` (opt-in, not causal) each layer solves exact
+              biases from the batch it routes and routes that batch with them (even to a
+              token every step, ~35 sequential all-reduces per class and sweep); the stored
+              biases (for evaluation and export) are the last solve's.
   "adamw"     ZAYA1's rule: an AdamW of its own (`balance.adamw_*`) on the biases, with the
               "gradient" g[l, x] = share[l, x] - 1/E = -e[l, x] (error below).
   "pid"       delta = kp * e + ki * integral + kd * (e - e_prev),
