@@ -35,6 +35,7 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Batches timed per worker count (afte
 _PROFILE = flags.DEFINE_string("profile", "mi300x", "Accelerator profile of the step time.")
 _DEVICES = flags.DEFINE_integer("num_devices", 64, "Devices of the training mesh.")
 _PER_PROCESS = flags.DEFINE_integer("devices_per_process", 8, "Devices one process feeds.")
+_SHUFFLE = flags.DEFINE_bool("shuffle_rows", True, "data.shuffle_rows: the row shuffle on or off.")
 flags.mark_flag_as_required("data")
 
 
@@ -52,7 +53,7 @@ def main(argv):
                                 num_devices=_DEVICES.value,
                                 devices_per_process=_PER_PROCESS.value, seq_len=_SEQ.value)
     batch = _BATCH.value or need.batch_size * need.devices_per_process // need.num_devices
-    data = DataConfig(source=_DATA.value, tokenizer=_TOKENIZER.value)
+    data = DataConfig(source=_DATA.value, tokenizer=_TOKENIZER.value, shuffle_rows=_SHUFFLE.value)
     rates = [loader.measure_loader(data, seq_len=need.seq_len, batch_size=batch, num_workers=w,
                                    steps=_STEPS.value) for w in workers]
   except (ConfigError, ValueError, OSError) as e:

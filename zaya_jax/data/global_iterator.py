@@ -222,9 +222,14 @@ def _row_index(cfg, corpus, seq_len: int, seed: int):
 
 def shuffle_window(cfg, corpus, seq_len: int) -> int:
   """Rows per row-shuffle window of one source: data.shuffle_window, capped at a lower bound
-  of the rows of one epoch (sum of min(pairs, T) over the train documents, / T), so that a
-  window spans at most about two epochs and the row indexes' two cached epochs serve it."""
-  epoch_rows = int(np.minimum(corpus.pairs[corpus.train_ids], seq_len).sum()) // seq_len
+  of the rows of one epoch (the train documents' pairs / T for concat packing; with
+  best_fit each document, truncated to T pairs, fills part of a row: sum of min(pairs, T) /
+  T), so that a window spans at most about two epochs and the row indexes' two cached epochs
+  serve it."""
+  pairs = corpus.pairs[corpus.train_ids]
+  if cfg.packing == "best_fit":
+    pairs = np.minimum(pairs, seq_len)
+  epoch_rows = int(pairs.sum()) // seq_len
   return max(1, min(cfg.shuffle_window, epoch_rows))
 
 
