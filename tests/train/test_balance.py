@@ -199,7 +199,8 @@ def test_fresh_model_router_can_be_balanced_only_with_fan_in_init(router_init, m
   sampling noise over 512 tokens per layer is ~1.2). With "normal" (HF's initializer_range
   0.02 on all three router layers) every token gets the same probabilities to ~1e-5, so
   each layer sends all its tokens to one expert whatever the PID's biases (max/mean = E);
-  the exact thresholds of "quantile" still split such tokens (< 1.5 there too)."""
+  the quantiles of "quantile" (its histogram bins start at 1e-5 from the boundary) still
+  split such tokens (< 1.5 there too)."""
   from zaya_jax.model.transformer import create_model
   from flax import nnx
   cfg = dataclasses.replace(tiny_model_config(), num_experts=8, router_init=router_init)

@@ -319,20 +319,25 @@ def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(fast_compi
 @pytest.mark.slow
 def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   """zaya1_tiny with `train.warmup_steps=1` (the setting that put every layer's tokens on
-  one expert by step 10 under the old PID controller): at step 200 the default balancing
-  holds the normalised load entropy >= 0.95 in every layer. (With 10x the learning rate as
-  well the router's softmax saturates to exactly one-hot within ~10 steps; identical
-  probabilities cannot be split by any bias: README "Load balancing".)"""
+  one expert by step 10 under the old PID controller): by step 200 the default (causal)
+  balancing holds the normalised entropy of every layer's load summed over the 16 steps
+  185-200 (32K tokens) >= 0.95. A causal rule's per-step load carries the batch-to-batch
+  noise of 8 rows (`launch.balance_floor`), so the window is the measure (issue 22's
+  target). (With 10x the learning rate as well the router's softmax saturates to exactly
+  one-hot within ~10 steps; identical probabilities cannot be split by any bias: README
+  "Load balancing".)"""
   workdir = tmp_path / "run"
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
          f"--workdir={workdir}", "--config.train.num_steps=200", "--config.train.warmup_steps=1",
-         "--config.train.log_every=10", "--config.train.eval_every=0",
+         "--config.train.log_every=1", "--config.train.eval_every=0",
          "--config.train.eval_batches=0", "--config.checkpoint.every_steps=0"]
   out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-4000:]
   with open(workdir / "metrics.jsonl") as f:
     rows = {r["step"]: r for r in map(json.loads, f) if r["kind"] == "train"}
-  entropy = np.asarray(rows[200]["balance/load_entropy"])
-  print("load entropy per layer at step 200:", entropy.round(4).tolist())
+  load = np.sum([np.asarray(rows[s]["expert_load"])[:, :-1] for s in range(185, 201)], axis=0)
+  share = load / load.sum(-1, keepdims=True)
+  entropy = -np.sum(share * np.log(np.where(share > 0, share, 1.0)), -1) / np.log(share.shape[-1])
+  print("windowed load entropy per layer, steps 185-200:", entropy.round(4).tolist())
   assert entropy.shape == (4,) and np.all(entropy >= 0.95), entropy
