@@ -116,7 +116,14 @@ def get_config() -> ml_collections.ConfigDict:
   # the last checkpoint. 0 = keep skipping, never roll back.
   t.max_consecutive_skips = 10
   t.skip_data_on_rollback = True  # after a rollback, continue with the batches after the bad ones
-  t.step_timeout_s = 0.0  # seconds; a train step/eval/save slower than this (a hung collective) dumps all stacks and exits 3; 0 = off
+  # Watchdog (zaya_jax/train/fault.py), on by default: from a run's second step on, a train step
+  # (data fetch included), metrics fetch, stop-signal agreement, save or restore slower than
+  # max(step_timeout_s, step_timeout_factor x the median step time so far) (an evaluation: x its
+  # batches) dumps every thread's stack and exits 3, so the scheduler restarts the run, which
+  # resumes from its last checkpoint. A hung collective, a dead host or a stuck data loader would
+  # otherwise hold every device of the job until someone noticed.
+  t.step_timeout_s = 600.0  # seconds; the watchdog's floor (the whole bound when step_timeout_factor = 0); 0 = watchdog off
+  t.step_timeout_factor = 20.0  # multiple of the median step time a region may take (when above step_timeout_s); 0 = fixed step_timeout_s
   t.inject_nan_at_steps = ml_collections.FieldReference((), field_type=tuple)  # TEST ONLY: NaN loss/grads at these steps
   # Starting and extending runs (zaya_jax/train/init_from.py, schedule_extend.py).
   t.init_from = ""  # path; a run with no checkpoint yet starts from its weights (fresh optimizer, step 0): a run's workdir, WORKDIR/checkpoints/<step>, or an HF dir (config.json + *.safetensors); "" = random init

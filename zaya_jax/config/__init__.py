@@ -72,7 +72,8 @@ class TrainConfig:
   eval_batches: int = 16  # batches per evaluation; 0 = no evaluation
   max_consecutive_skips: int = 10  # non-finite updates in a row before rolling back; 0 = never
   skip_data_on_rollback: bool = True  # after a rollback, keep reading after the offending batches
-  step_timeout_s: float = 0.0  # watchdog: dump stacks and exit if a step hangs this long; 0 = off
+  step_timeout_s: float = 600.0  # watchdog floor (s): a step slower than max(this, factor x median) exits 3; 0 = off
+  step_timeout_factor: float = 20.0  # watchdog: multiple of the median step time; 0 = fixed step_timeout_s
   inject_nan_at_steps: tuple[int, ...] = ()  # TEST ONLY: make these updates' loss and grads NaN
   init_from: str = ""  # fresh runs start from these weights: run workdir | checkpoint step dir | HF dir
   schedule_steps: int = 0  # lr schedule horizon in steps; 0 = num_steps (set by schedule_extend)
@@ -91,9 +92,12 @@ class TrainConfig:
     if not isinstance(self.skip_data_on_rollback, bool):
       raise ConfigError(f"train.skip_data_on_rollback={self.skip_data_on_rollback!r} must be "
                         "True or False")
-    if not (isinstance(self.step_timeout_s, (int, float)) and self.step_timeout_s >= 0):
+    if not (_is_number(self.step_timeout_s) and self.step_timeout_s >= 0):
       raise ConfigError(f"train.step_timeout_s={self.step_timeout_s!r} must be >= 0 seconds "
                         "(0 = no watchdog)")
+    if not (_is_number(self.step_timeout_factor) and self.step_timeout_factor >= 0):
+      raise ConfigError(f"train.step_timeout_factor={self.step_timeout_factor!r} must be >= 0 "
+                        "(a multiple of the median step time; 0 = train.step_timeout_s alone)")
     if not all(isinstance(s, int) and s >= 1 for s in self.inject_nan_at_steps):
       raise ConfigError(f"train.inject_nan_at_steps={self.inject_nan_at_steps!r} must be a tuple "
                         "of steps >= 1 (a test-only fault injection; leave it empty)")

@@ -15,9 +15,11 @@ used (`Checkpointer.restore_latest`); SIGTERM/SIGINT end the run after the curre
 checkpoint (`StopSignals`), except during this run's first step (then nothing is saved, so an
 interrupted first compile leaves no checkpoint); an update with a non-finite loss or gradient
 is skipped, and `train.max_consecutive_skips` of them in a row restore the last checkpoint
-while the data iterator keeps going (past the offending batches); `train.step_timeout_s` arms
-a `Watchdog` around every call that can block the host after the first step (data fetch and
-step, metrics fetch, evaluation, save, restore, the stop-signal agreement); an exception in
+while the data iterator keeps going (past the offending batches); a `Watchdog` (on by default:
+max(`train.step_timeout_s`, `train.step_timeout_factor` x the median step time so far);
+`step_timeout_s=0` = off) is armed around every call that can block the host after the first
+step (data fetch and step, metrics fetch, evaluation, save, restore, the stop-signal
+agreement) and exits 3 with every thread's stack when one overruns; an exception in
 the loop that leaves the train state intact (a bad batch, an I/O error, a failed evaluation)
 first checkpoints the last completed step (single-process runs). The loop reads each update's
 skip flags one step late, so the host never waits for the step it just dispatched.
@@ -148,7 +150,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
   os.makedirs(workdir, exist_ok=True)  # only once the config and the data are known to be good
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
   target = abstract_with_shardings(abstract_state, state_sharding)
-  watchdog = Watchdog(train.step_timeout_s)
+  watchdog = Watchdog(train.step_timeout_s, train.step_timeout_factor)
   with watchdog.guard("restoring the newest checkpoint"):  # reads and collectives
     restored = ckpt.restore_latest(target, data_iter, cfg)
   if restored is None and train.init_from:  # a new run from another run's or an HF model
@@ -242,7 +244,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       return
     jax.block_until_ready(state.step)  # the train steps dispatched so far stay in the window
     start = time.perf_counter()
-    with window.excluded(), watchdog.guard(f"evaluation at step {step}"):
+    with window.excluded(), watchdog.guard(f"evaluation at step {step}", len(eval_batches)):
       record = {"kind": "eval", "step": step, **evaluate_sets(eval_step, state, eval_sets)}
     seconds = time.perf_counter() - start
     times["eval"] += seconds
@@ -361,6 +363,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
         if is_main:
           logging.info("compiling the train step ...")
         first_start = time.perf_counter()
+      iteration_start, excluded_before = time.perf_counter(), times["eval"] + times["checkpoint"]
       guard = watchdog.guard(f"train step {step + 1}") if steps_this_run else contextlib.nullcontext()
       with guard:
         batch = global_batch(_next_batch(data_iter), data_sharding)
@@ -431,6 +434,9 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
         stop_reason = stop.received or "a stop signal on another process"
         break
       watchdog.disarm()
+      if steps_this_run > 1:  # the watchdog's median step time; the first step compiled
+        watchdog.record_step(time.perf_counter() - iteration_start
+                             - (times["eval"] + times["checkpoint"] - excluded_before))
 
     watchdog.arm(f"reading the flags of step {step}")
     if check_previous(previous) and is_main:  # the last update's flags: log a skip, no rollback
@@ -459,6 +465,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       "tokens_this_run": tokens_this_run, "train_loss": last_train_loss,
       "eval_loss": last_eval["loss"] if last_eval else None,
       "tokens_per_s": times["train_tokens"] / times["train"] if times["train"] else None,
+      "step_time_median_s": watchdog.median_step_s,  # what the watchdog's bound follows
       **{f"{k}_time_s": times[k] for k in ("total", "compile", "train", "eval", "checkpoint")}})
   tensorboard_dir = metrics_out.tensorboard_dir
   metrics_out.close()
