@@ -30,7 +30,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from zaya_jax.convert import ConvertError, runs
-from zaya_jax.config import config_file
+from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -59,7 +59,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-convert-from-hf` (pyproject.toml): the same as `python -m launch.convert_from_hf`."""
-  app.run(main, flags_parser=config_file.parse_flags)  # a missing --config: one line
+  app.run(main, flags_parser=cli_paths.parse_flags)  # a missing --config: one line
 
 
 if __name__ == "__main__":

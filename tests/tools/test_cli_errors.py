@@ -5,13 +5,15 @@ before a train step is compiled, so each takes the seconds of importing JAX."""
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO
-from zaya_jax.config.config_file import config_file_problem
+from tests.helpers import MODEL_OVERRIDES, REPO
+from zaya_jax.config.cli_paths import config_file_problem
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
@@ -54,3 +56,67 @@ def test_missing_config_file_is_one_line():
   assert _one_line(_run("launch.train", "--config=configs/nope.py", "--workdir=/tmp/x",
                         "--config.train.lr=1e-3")) == want
   assert _one_line(_run("launch.sizing", "--config=configs/nope.py", "--num_devices=1")) == want
+
+
+# --- item 2: a read-only --workdir -----------------------------------------------------------
+
+def _can_mount_read_only(tmp_path) -> bool:
+  """Whether `unshare -m` can bind-mount a directory read-only (root with CAP_SYS_ADMIN, as
+  in CI). chmod would not do: root writes through permissions."""
+  d = tmp_path / "probe"
+  d.mkdir()
+  script = f"mount --bind {d} {d} && mount -o remount,bind,ro {d} && ! touch {d}/x 2>/dev/null"
+  try:
+    return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
+                          timeout=30).returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return False
+
+
+def test_read_only_workdir_is_one_line(tmp_path):
+  if not _can_mount_read_only(tmp_path):
+    pytest.skip("needs `unshare -m` and a read-only bind mount (root with CAP_SYS_ADMIN); "
+                "chmod is not enforced for root")
+  ro, run = tmp_path / "ro", tmp_path / "run"  # ro: a read-only mount; run/checkpoints: another
+  ro.mkdir()
+  (run / "checkpoints").mkdir(parents=True)
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  cases = {"mount": ro, "below": ro / "new" / "run", "checkpoints": run}
+  # The old code trained this micro run, then failed to save into run/checkpoints (226 lines).
+  train = shlex.join([sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
+                      *MODEL_OVERRIDES, "--config.train.seq_len=32",
+                      "--config.train.batch_size=2", "--config.train.num_steps=2",
+                      "--config.train.warmup_steps=1", "--config.train.eval_batches=0"])
+  script = " && ".join(
+      [f"mount --bind {ro} {ro}", f"mount -o remount,bind,ro {ro}",
+       f"mount --bind {run}/checkpoints {run}/checkpoints",
+       f"mount -o remount,bind,ro {run}/checkpoints"]
+      + [f"{{ {train} --workdir={w} 2>{logs}/{name}.err; echo $? > {logs}/{name}.rc; }}"
+         for name, w in cases.items()])
+  proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=ENV,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)  # a timeout ends the trainers too
+  try:
+    out = proc.communicate(timeout=150)[0]  # ~10 s; the old code trained, then hung saving
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    raise
+  assert proc.returncode == 0, out[-3000:]
+  want = {
+      "mount": f"invalid config: --workdir={ro}: {ro} is on a read-only file system",
+      "below": f"invalid config: --workdir={ro}/new/run cannot be created: {ro} is on a "
+               "read-only file system",
+      "checkpoints": f"invalid config: --workdir={run}: {run}/checkpoints is on a read-only "
+                     "file system",
+  }
+  for name, start in want.items():
+    err = (logs / f"{name}.err").read_text()
+    assert (logs / f"{name}.rc").read_text().strip() == "1", (name, err[-3000:])
+    assert "Traceback" not in err, (name, err[-3000:])
+    lines = err.strip().splitlines()
+    # The last line is the error; at most absl's "single process: ..." INFO line before it.
+    assert len(lines) <= 2 and lines[-1].startswith(start), (name, err[-3000:])
+    assert lines[-1].endswith("; pass a directory you can write to (or remount it read-write)")
+  assert not (ro / "new").exists() and os.listdir(run / "checkpoints") == []

@@ -39,7 +39,7 @@ import numpy as np
 from absl import logging
 
 from zaya_jax.checkpoint import Checkpointer, config_record
-from zaya_jax.config import ConfigError, RunConfig, resolve
+from zaya_jax.config import ConfigError, RunConfig, cli_paths, resolve
 from zaya_jax.logs import quiet_third_party
 from zaya_jax.data import make_eval_sets, make_train_iterator
 from zaya_jax.data.global_iterator import GlobalBatchIterator
@@ -106,6 +106,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   is_main = jax.process_index() == 0
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f"--workdir={workdir} exists and is not a directory; pass a directory path")
+  unwritable = cli_paths.unwritable_dir_problem(workdir, "--workdir", subdirs=("checkpoints",))
+  if unwritable:  # found now, not at the first write after the data is listed
+    raise ConfigError(unwritable)
   try:
     mesh = make_mesh(cfg.mesh)
     check_divisibility(mesh, num_experts=cfg.model.num_experts, hidden_size=cfg.model.hidden_size,

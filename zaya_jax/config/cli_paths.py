@@ -1,9 +1,13 @@
-"""The `--config=FILE` flag of the entry points: a file that cannot be loaded is one line.
+"""Paths given to the entry points: the `--config=FILE` flag and the directories they write.
 
 ml_collections' `DEFINE_config_file` defers a load failure: the flag parses, and the first
 use of the config (or a `--config.*` override) raises an OSError chained to the load error,
 through ml_collections and absl (42 lines for `--config=configs/nope.py`). `parse_flags`
 checks the path first and exits with one line naming the flag and the fix.
+
+`unwritable_dir_problem` tells, before anything slow starts, why an output directory (e.g.
+`--workdir`) cannot be written: a read-only mount, no permission, a file in the way. Without
+it the first `os.makedirs` deep inside the run raised a 37-line traceback.
 """
 
 from __future__ import annotations
@@ -54,6 +58,37 @@ def config_file_problem(argv: Sequence[str], name: str = "config") -> str | None
             f"--{name}=configs/zaya1_tiny.py")
   if not os.access(path, os.R_OK):
     return f"--{name}={value}: {path} is not readable; check its permissions"
+  return None
+
+
+def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) -> str | None:
+  """Why directory `path` cannot be created or written, as one line naming `flag`; None if
+  it can. Creates nothing.
+
+  Checks the nearest existing directory of `path` (itself, or the ancestor it would be
+  created in) and, when `path` exists, its existing `subdirs` (e.g. "checkpoints"): each must
+  allow writing (`os.access`, which reports a read-only mount for root too).
+  """
+  target = os.path.abspath(path)
+  probe = target
+  while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    return (f"{flag}={path}: {probe} is not a directory, so {target} cannot be created there; "
+            "pass a directory path")
+  checked = [probe] + [os.path.join(target, d) for d in subdirs
+                       if probe == target and os.path.isdir(os.path.join(target, d))]
+  for d in checked:
+    if not os.access(d, os.W_OK | os.X_OK):
+      try:
+        read_only = bool(os.statvfs(d).f_flag & os.ST_RDONLY)
+      except OSError:
+        read_only = False
+      why = ("is on a read-only file system" if read_only else "is not writable by this user")
+      where = (f"{flag}={path} cannot be created: {d} {why}" if d != target and d == probe
+               else f"{flag}={path}: {d} {why}")
+      return where + ("; pass a directory you can write to (or remount it read-write)"
+                      if read_only else "; pass a directory you can write to")
   return None
 
 
