@@ -76,11 +76,19 @@ class _DataError(Exception):
 
 
 def _next_batch(data_iter) -> dict[str, np.ndarray]:
-  """`next(data_iter)`, with any error wrapped in `_DataError`."""
+  """`next(data_iter)`, with any error wrapped in `_DataError`.
+
+  A batch made by grain's worker processes (data.num_workers > 0) lives in shared memory
+  (numpy subclasses); it is copied into plain arrays here, so the shared memory is released
+  as soon as the batch is read, not when the garbage collector reaches the device arrays
+  that alias it (after the run's end, so the resource tracker warned of leaked
+  shared_memory objects at every exit).
+  """
   try:
-    return next(data_iter)
+    batch = next(data_iter)
   except Exception as e:
     raise _DataError(str(e)) from e
+  return {k: v if type(v) is np.ndarray else np.array(v) for k, v in batch.items()}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
@@ -117,13 +125,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
     raise ConfigError(str(e)) from e
   # Signals are taken over before anything slow starts: a stop before or during the first
   # step ends the run after it, without a checkpoint.
-  with use_mesh(mesh), StopSignals() as stop:
-    return _train(cfg, workdir, mesh, is_main, stop)
+  with use_mesh(mesh), StopSignals() as stop, contextlib.ExitStack() as on_exit:
+    return _train(cfg, workdir, mesh, is_main, stop, on_exit)
+
+
+def _close_data(data_iter) -> None:
+  """Closes a data iterator (grain's: its worker processes and their shared memory)."""
+  close = getattr(data_iter, "close", None)
+  if close is not None:
+    close()
 
 
 def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
-           stop: StopSignals) -> TrainState:
-  """The training loop of `run`, inside the mesh context, with `stop` installed."""
+           stop: StopSignals, on_exit: contextlib.ExitStack) -> TrainState:
+  """The training loop of `run`, inside the mesh context, with `stop` installed; the data
+  iterators are closed by `on_exit` (at the end, on a stop or an error)."""
   train = cfg.train
   built = setup_training(cfg.model, train, mesh, cfg.balance,
                          fault_injection=bool(train.inject_nan_at_steps))
@@ -137,6 +153,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
     data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                     seed=train.seed, process_index=jax.process_index(),
                                     process_count=jax.process_count())
+    on_exit.callback(_close_data, data_iter)
     # Prepared corpora are opened once, by the training iterator; eval and header reuse them.
     opened = data_iter.corpora if isinstance(data_iter, GlobalBatchIterator) else None
     eval_sets = {}  # source name ("" for one corpus) -> its eval batches
@@ -170,9 +187,11 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       logging.info("train.init_from=%s ignored: resuming from checkpoint %d in %s",
                    train.init_from, latest, ckpt.directory)
     if not data_restored:  # saved by another process count: the positions mean other documents
+      _close_data(data_iter)
       data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                       seed=train.seed + latest, process_index=jax.process_index(),
                                       process_count=jax.process_count())
+      on_exit.callback(_close_data, data_iter)
     resumed = extend_schedule(ckpt.saved_config(latest)["train"], train, latest)
     if schedule_horizon(resumed) != schedule_horizon(train):  # rebuilt before its first call
       train_step = setup_training(cfg.model, resumed, mesh, cfg.balance,
