@@ -49,8 +49,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   explicit = config_flags.get_override_values(flags.FLAGS["config"])
+  given = (config_flags.get_config_filename(flags.FLAGS["config"])
+           if flags.FLAGS["config"].present else None)  # None: base.py's settings, said so
   try:
-    run = runs.new_run_from_hf(_CONFIG.value, _HF_DIR.value, _WORKDIR.value, explicit)
+    run = runs.new_run_from_hf(_CONFIG.value, _HF_DIR.value, _WORKDIR.value, explicit,
+                               config_source=given)
   except ConvertError as e:
     sys.exit(str(e))
   print(f"wrote {run.checkpoint_dir}/0 and {run.config_file}; train with: python -m "
