@@ -86,7 +86,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.grad_accum_steps = 1  # micro-batches per step: gradients summed, activations of one micro-batch
   t.seq_len = 4096  # tokens per sequence (packed documents)
   t.lr = 3e-4  # peak learning rate, reached at the end of warmup
-  t.warmup_steps = 2_000  # steps of linear warmup from 0 to lr
+  t.warmup_steps = 2_000  # steps of linear warmup from 0 to lr; longer than the run: clamped to it, with a warning
   t.min_lr_ratio = 0.1  # cosine decay ends at lr * min_lr_ratio at num_steps, in [0, 1]
   t.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only, not norms/scales/biases)
   t.b1 = 0.9  # AdamW first-moment decay

@@ -120,3 +120,22 @@ def test_read_only_workdir_is_one_line(tmp_path):
     assert len(lines) <= 2 and lines[-1].startswith(start), (name, err[-3000:])
     assert lines[-1].endswith("; pass a directory you can write to (or remount it read-write)")
   assert not (ro / "new").exists() and os.listdir(run / "checkpoints") == []
+
+
+# --- item 6: a run shorter than its config's warm-up ---------------------------------------
+
+def test_short_run_clamps_the_warm_up_with_one_warning(tmp_path):
+  """zaya1_tiny (30 warm-up steps) with num_steps=20 used to stop on the config error; now
+  one warning and the run goes on (here to the next check: a --workdir that is a file, so
+  that nothing is compiled)."""
+  (tmp_path / "file").write_text("")
+  proc = _run("launch.train", "--config=configs/zaya1_tiny.py", "--config.train.num_steps=20",
+              f"--workdir={tmp_path / 'file'}")
+  warnings = [l for l in proc.stderr.splitlines() if "warmup" in l]
+  assert len(warnings) == 1 and warnings[0].endswith(
+      "train.warmup_steps=30 does not fit train.num_steps=20: warming up over 19 steps (the "
+      "warm-up is clamped to the run); set train.warmup_steps to choose"), proc.stderr[-3000:]
+  assert warnings[0].startswith("W")  # absl's WARNING prefix
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"invalid config: --workdir={tmp_path / 'file'} exists and is not a directory; pass a "
+      "directory path"), proc.stderr[-3000:]

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import ml_collections
+from absl import logging
 
 from zaya_jax.data import DataConfig, load_tokenizer, prepared
 from zaya_jax.config.model import ModelConfig
@@ -307,11 +308,46 @@ def config_differences(saved: dict[str, Any], current: RunConfig, group: str,
           if k in before and k not in ignore and before[k] != now[k]]
 
 
+def clamp_warmup(train: dict[str, Any]) -> str | None:
+  """Shortens `train["warmup_steps"]` (in place) to the longest warm-up the run's schedule
+  allows, when it is longer: < the horizon (train.schedule_steps, else num_steps), and for
+  "wsd" at most the horizon minus its decay steps. As torchtitan and MaxText accept a short
+  run of a config made for a long one (e.g. zaya1_tiny's 30 warm-up steps with num_steps=20).
+
+  Returns:
+    The one-line warning saying what was clamped, or None when nothing was (also when the
+    fields are not valid numbers: TrainConfig's validation names them).
+  """
+  try:
+    warmup, steps = train.get("warmup_steps", 0), train.get("num_steps", 1)
+    horizon = train.get("schedule_steps", 0) or steps
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (warmup, horizon)):
+      return None
+    limit = horizon - 1
+    if train.get("schedule") == "wsd":
+      limit = min(limit, horizon - int(round(float(train.get("decay_fraction", 0.2)) * horizon)))
+  except (TypeError, ValueError):
+    return None
+  if horizon < 1 or warmup <= limit or limit < 0:
+    return None
+  train["warmup_steps"] = limit
+  over = (f"train.schedule_steps={horizon}" if train.get("schedule_steps") else
+          f"train.num_steps={steps}")
+  decay = " minus the wsd decay" if limit < horizon - 1 else ""
+  return (f"train.warmup_steps={warmup} does not fit {over}: warming up over {limit} steps "
+          f"(the warm-up is clamped to the run{decay}); set train.warmup_steps to choose")
+
+
 def build_group(cls, config: ml_collections.ConfigDict, group: str):
-  """`cls(**config[group])`, with unknown fields and constructor errors named `group.field`."""
+  """`cls(**config[group])`, with unknown fields and constructor errors named `group.field`.
+  The train group's warm-up is first clamped to the run (`clamp_warmup`, logged)."""
   if group not in config:
     raise ConfigError(f"config has no {group!r} group; start from configs/base.py")
   values = dict(config[group])
+  if group == "train":
+    clamped = clamp_warmup(values)
+    if clamped:
+      logging.warning("%s", clamped)
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - names)
   for f in unknown:
