@@ -17,8 +17,10 @@ optimizer moments, the run's seed, a fresh data iterator, the resolved config) a
 DIR/config.py, the full config to train with. Run it as a single process, then train with the
 same process count (the data iterator position is per process).
 
-Memory: about twice the float32 parameter bytes (`zaya_jax.convert.runs.import_to_run`);
-tests/convert/measure_import_memory.py measures it on a 0.3 GB model. Bad input (no such
+Memory: about 2x the float32 parameter bytes are held when the checkpoint write starts
+(the all-zero Adam moments share one zeros buffer; `zaya_jax.convert.runs.import_to_run`); with
+the write's own buffers the peak is about 2.9x the float32 parameter bytes above start-up
+(tests/convert/measure_import_memory.py measured 2.87x on a 0.29 GB model). Bad input (no such
 --hf_dir, a checkpoint that does not fit config.json, a --workdir that already holds a
 checkpoint) exits non-zero with one line naming the problem.
 """
