@@ -172,6 +172,19 @@ def test_explicit_model_overrides_that_disagree_are_one_error(converted, tmp_pat
   assert not work.exists()
 
 
+@pytest.mark.slow
+def test_import_with_no_warm_up_prints_no_optax_line(tmp_path):
+  """Issue 23: optax's INFO line "A polynomial schedule was set with a non-positive
+  `transition_steps` value ..." (a 0-step warm-up piece, as in every benchmark run) passed the
+  third-party log filter; convert_from_hf builds the optimizer too, in seconds."""
+  write_hf_dir(tmp_path / "hf")
+  _, out = cli("launch.convert_from_hf", f"--hf_dir={tmp_path / 'hf'}",
+               f"--workdir={tmp_path / 'run'}", "--config=configs/zaya1_tiny.py",
+               "--config.train.warmup_steps=0", cache_dir=tmp_path / "cache")
+  assert "transition_steps" not in out and "_schedule.py" not in out, out
+  assert "warm-up 0," in out and len(out.strip().splitlines()) <= 7, out
+
+
 def test_apply_hf_model_merges_and_refuses(tmp_path):
   """Unit: the HF architecture replaces the config's; compute-only fields stay; an explicit
   disagreeing override is refused; one that agrees is accepted."""
