@@ -88,7 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.grad_accum_steps = 1  # micro-batches per step: gradients summed, activations of one micro-batch
   t.seq_len = 4096  # tokens per sequence (packed documents)
   t.lr = 3e-4  # peak learning rate, reached at the end of warmup
-  t.warmup_steps = 2_000  # steps of linear warmup from 0 to lr
+  t.warmup_steps = 2_000  # steps of linear warmup from 0 to lr; longer than the run: clamped to it, with a warning
   t.min_lr_ratio = 0.1  # cosine decay ends at lr * min_lr_ratio at num_steps, in [0, 1]
   t.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only, not norms/scales/biases)
   t.b1 = 0.9  # AdamW first-moment decay
@@ -118,7 +118,14 @@ def get_config() -> ml_collections.ConfigDict:
   # the last checkpoint. 0 = keep skipping, never roll back.
   t.max_consecutive_skips = 10
   t.skip_data_on_rollback = True  # after a rollback, continue with the batches after the bad ones
-  t.step_timeout_s = 0.0  # seconds; a train step/eval/save slower than this (a hung collective) dumps all stacks and exits 3; 0 = off
+  # Watchdog (zaya_jax/train/fault.py), on by default: from a run's second step on, a train step
+  # (data fetch included), metrics fetch, stop-signal agreement, save or restore slower than
+  # max(step_timeout_s, step_timeout_factor x the median step time so far) (an evaluation: x its
+  # batches) dumps every thread's stack and exits 3, so the scheduler restarts the run, which
+  # resumes from its last checkpoint. A hung collective, a dead host or a stuck data loader would
+  # otherwise hold every device of the job until someone noticed.
+  t.step_timeout_s = 600.0  # seconds; the watchdog's floor (the whole bound when step_timeout_factor = 0); 0 = watchdog off
+  t.step_timeout_factor = 20.0  # multiple of the median step time a region may take (when above step_timeout_s); 0 = fixed step_timeout_s
   t.inject_nan_at_steps = ml_collections.FieldReference((), field_type=tuple)  # TEST ONLY: NaN loss/grads at these steps
   # Starting and extending runs (zaya_jax/train/init_from.py, schedule_extend.py).
   t.init_from = ""  # path; a run with no checkpoint yet starts from its weights (fresh optimizer, step 0): a run's workdir, WORKDIR/checkpoints/<step>, or an HF dir (config.json + *.safetensors); "" = random init

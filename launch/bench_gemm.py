@@ -26,6 +26,7 @@ from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel import accelerators
 from zaya_jax.perf import gemm
 from pallas_kernels.timing import host_description
+from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -98,7 +99,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-bench-gemm` (pyproject.toml): the same as `python -m launch.bench_gemm`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)  # a missing --config: one line
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from ml_collections import config_flags
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.data import DataConfig
 from zaya_jax.perf import loader
+from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -63,7 +64,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-bench-loader` (pyproject.toml): the same as `python -m launch.bench_loader`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)  # a missing --config: one line
 
 
 if __name__ == "__main__":

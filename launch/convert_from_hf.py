@@ -17,8 +17,10 @@ optimizer moments, the run's seed, a fresh data iterator, the resolved config) a
 DIR/config.py, the full config to train with. Run it as a single process, then train with the
 same process count (the data iterator position is per process).
 
-Memory: about twice the float32 parameter bytes (`zaya_jax.convert.runs.import_to_run`);
-tests/convert/measure_import_memory.py measures it on a 0.3 GB model. Bad input (no such
+Memory: about 2x the float32 parameter bytes are held when the checkpoint write starts
+(the all-zero Adam moments share one zeros buffer; `zaya_jax.convert.runs.import_to_run`); with
+the write's own buffers the peak is about 2.9x the float32 parameter bytes above start-up
+(tests/convert/measure_import_memory.py measured 2.87x on a 0.29 GB model). Bad input (no such
 --hf_dir, a checkpoint that does not fit config.json, a --workdir that already holds a
 checkpoint) exits non-zero with one line naming the problem.
 """
@@ -30,6 +32,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from zaya_jax.convert import ConvertError, runs
+from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -48,8 +51,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   explicit = config_flags.get_override_values(flags.FLAGS["config"])
+  given = (config_flags.get_config_filename(flags.FLAGS["config"])
+           if flags.FLAGS["config"].present else None)  # None: base.py's settings, said so
   try:
-    run = runs.new_run_from_hf(_CONFIG.value, _HF_DIR.value, _WORKDIR.value, explicit)
+    run = runs.new_run_from_hf(_CONFIG.value, _HF_DIR.value, _WORKDIR.value, explicit,
+                               config_source=given)
   except ConvertError as e:
     sys.exit(str(e))
   print(f"wrote {run.checkpoint_dir}/0 and {run.config_file}; train with: python -m "
@@ -58,7 +64,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-convert-from-hf` (pyproject.toml): the same as `python -m launch.convert_from_hf`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)  # a missing --config: one line
 
 
 if __name__ == "__main__":

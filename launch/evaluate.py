@@ -21,6 +21,7 @@ from ml_collections import config_flags
 from zaya_jax.checkpoint import find_run_checkpoint
 from zaya_jax.config import ConfigError, resolve
 from zaya_jax.hf.hf_config import ConvertError, read_hf_config
+from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 from zaya_jax.train.evaluate import evaluate_saved, run_config_of, with_eval_data
 
@@ -89,7 +90,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-evaluate` (pyproject.toml): the same as `python -m launch.evaluate`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)  # a missing --config: one line
 
 
 if __name__ == "__main__":

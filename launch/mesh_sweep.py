@@ -25,6 +25,7 @@ from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.perf import mesh_sweep
 from zaya_jax.config.mesh import parse_meshes
 from zaya_jax.parallel.mesh import use_cpu_devices
+from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -67,7 +68,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-mesh-sweep` (pyproject.toml): the same as `python -m launch.mesh_sweep`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)  # a missing --config: one line
 
 
 if __name__ == "__main__":

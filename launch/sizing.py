@@ -26,6 +26,7 @@ from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf import roofline
 from zaya_jax.parallel.accelerators import get_profile
 from zaya_jax.perf.gemm_table import GemmTable
+from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -92,7 +93,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-sizing` (pyproject.toml): the same as `python -m launch.sizing`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)  # a missing --config: one line
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from zaya_jax.parallel import distributed
 from zaya_jax.checkpoint import CorruptCheckpointError
-from zaya_jax.config import ConfigError
+from zaya_jax.config import ConfigError, cli_paths
 from zaya_jax.config.describe import describe, field_docs
 from zaya_jax.train import run
 from zaya_jax.train.loop import TrainingError
@@ -80,8 +80,11 @@ def override_error(argv: list[str], error: Exception) -> str:
 
 
 def parse_flags(argv):
-  """absl flag parsing, with a misspelt or mistyped `--config.*` override as one line; a
-  missing --workdir (without --print_config) is a usage error."""
+  """absl flag parsing, with a missing --config file or a misspelt or mistyped `--config.*`
+  override as one line; a missing --workdir (without --print_config) is a usage error."""
+  problem = cli_paths.config_file_problem(argv)
+  if problem:  # before parsing: ml_collections defers the load error to a chained traceback
+    sys.exit(f"invalid flags: {problem}")
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:

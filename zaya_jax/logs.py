@@ -3,8 +3,9 @@
 `quiet_third_party()` installs `ThirdPartyFilter` on absl's handler (the one `app.run` puts
 on the root logger, so it sees Python `logging` records of JAX, Orbax and Grain as well as
 absl records). It drops
-- INFO/DEBUG records logged from the source files of JAX, jaxlib, Orbax and Grain (JAX's
-  "Unable to initialize backend 'tpu'" platform probe, Orbax's ~40 lines per restore or save);
+- INFO/DEBUG records logged from the source files of JAX, jaxlib, Orbax, Grain and optax
+  (JAX's "Unable to initialize backend 'tpu'" platform probe, Orbax's ~40 lines per restore or
+  save, optax's "A polynomial schedule was set with a non-positive `transition_steps` value");
 - the few known-harmless warnings in `HARMLESS_WARNINGS` (Orbax's "Given directory is read
   only" when we open a checkpoint read-only on purpose).
 Everything else passes: our own INFO lines (with absl's `I1201 15:54:08.46 ... file.py:12]`
@@ -24,7 +25,7 @@ import os
 from absl import logging
 
 # Top-level packages whose INFO/DEBUG records are dropped.
-NOISY_PACKAGES = ("jax", "jaxlib", "orbax", "grain")
+NOISY_PACKAGES = ("jax", "jaxlib", "orbax", "grain", "optax")
 # Substrings of WARNING messages that are dropped although their level is WARNING.
 HARMLESS_WARNINGS = ("Given directory is read only",)
 

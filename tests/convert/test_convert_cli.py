@@ -27,6 +27,7 @@ from tests.convert.common import cli, read_export
 from tests.helpers import random_model, tiny_model_config
 from zaya_jax.config import resolve
 from zaya_jax.convert import ConvertError
+from zaya_jax.convert.runs import training_settings
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from zaya_jax.hf import save_pretrained, to_hf_state_dict
 from zaya_jax.hf.hf_tokenizer import byte_tokenizer_json, write_tokenizer_files
@@ -94,6 +95,12 @@ def test_import_takes_model_and_tokenizer_from_hf_dir(converted):
   assert "the checkpoint's architecture wins over --config for 16 field(s)" in out, out
   assert "hidden_size 2048 -> 32" in out and "layer_types ('hybrid',) * 40 -> " in out, out
   assert f"train with: python -m launch.train --config={run / 'config.py'}" in out, out
+  # Issue 23: base.py's ZAYA1-base settings were written silently (1M tokens per step).
+  assert (f"training settings in {run / 'config.py'} are configs/base.py's (no --config given: "
+          "ZAYA1-base's pre-training settings): 100000 steps of 256 x 4096 = 1,048,576 tokens, "
+          "warm-up 2000, peak lr 0.0003 (cosine)") in out, out
+  assert '"""Run config written by launch.convert_from_hf' in (run / "config.py").read_text()
+  assert "the rest\nfrom configs/base.py (no --config given)." in (run / "config.py").read_text()
   lines = out.strip().splitlines()
   assert len(lines) <= 7, out
   assert not any("orbax" in l or "checkpoint_manager" in l or "Closing" in l for l in lines), out
@@ -165,6 +172,19 @@ def test_explicit_model_overrides_that_disagree_are_one_error(converted, tmp_pat
   assert not work.exists()
 
 
+@pytest.mark.slow
+def test_import_with_no_warm_up_prints_no_optax_line(tmp_path):
+  """Issue 23: optax's INFO line "A polynomial schedule was set with a non-positive
+  `transition_steps` value ..." (a 0-step warm-up piece, as in every benchmark run) passed the
+  third-party log filter; convert_from_hf builds the optimizer too, in seconds."""
+  write_hf_dir(tmp_path / "hf")
+  _, out = cli("launch.convert_from_hf", f"--hf_dir={tmp_path / 'hf'}",
+               f"--workdir={tmp_path / 'run'}", "--config=configs/zaya1_tiny.py",
+               "--config.train.warmup_steps=0", cache_dir=tmp_path / "cache")
+  assert "transition_steps" not in out and "_schedule.py" not in out, out
+  assert "warm-up 0," in out and len(out.strip().splitlines()) <= 7, out
+
+
 def test_apply_hf_model_merges_and_refuses(tmp_path):
   """Unit: the HF architecture replaces the config's; compute-only fields stay; an explicit
   disagreeing override is refused; one that agrees is accepted."""
@@ -183,6 +203,18 @@ def test_apply_hf_model_merges_and_refuses(tmp_path):
   apply_hf_model(config, str(tmp_path), explicit={"model.num_layers": 2,
                                                   "model.skip_mode": "scaled_identity"})
   assert config.model.skip_mode == "scaled_identity"  # explicit and not a config.json field
+
+
+def test_training_settings_line_names_their_source():
+  """Unit: the line convert_from_hf logs about the written config's training settings."""
+  cfg = resolve(zaya1_tiny.get_config())
+  given = training_settings(cfg, "/r/config.py", "configs/zaya1_tiny.py")
+  assert given.startswith("training settings in /r/config.py come from "
+                          "--config=configs/zaya1_tiny.py: 300 steps of 8 x 256 = 2,048 tokens, "
+                          "warm-up 30, peak lr 0.003 (cosine), eval every 100, checkpoint every "
+                          "100 steps; change them with --config=FILE"), given
+  default = training_settings(cfg, "/r/config.py", None)
+  assert "are configs/base.py's (no --config given" in default and "come from" not in default
 
 
 def test_rendered_config_file_resolves_to_the_same_run():

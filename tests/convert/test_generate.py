@@ -112,8 +112,10 @@ def test_generate_cli_on_a_run_and_an_hf_dir(tmp_path):
   hf, _ = hf_reference.build(seed=7, **HF_ARCH)
   hf.save_pretrained(tmp_path / "hf")
   cache = tmp_path / "jax_cache"
-  cli("launch.convert_from_hf", f"--hf_dir={tmp_path / 'hf'}", f"--workdir={tmp_path / 'run'}",
-      *CONFIG, cache_dir=cache)
+  _, imported = cli("launch.convert_from_hf", f"--hf_dir={tmp_path / 'hf'}",
+                    f"--workdir={tmp_path / 'run'}", *CONFIG, cache_dir=cache)
+  assert (f"training settings in {tmp_path / 'run' / 'config.py'} come from "
+          "--config=configs/zaya1_tiny.py: 300 steps of 8 x 256") in imported, imported
   args = ["--prompt=def f(", "--max_new_tokens=6"]
   _, run_out = cli("launch.generate", f"--workdir={tmp_path / 'run'}", *args, cache_dir=cache)
   _, hf_out = cli("launch.generate", f"--hf_dir={tmp_path / 'hf'}", "--tokenizer=byte", *args,

@@ -165,13 +165,16 @@ def test_rerun_skips_done_sources_and_refuses_other_arguments(corpus, prepared):
   assert again.documents == 0 and again.sources_done_before == len(again.manifest.sources)
   assert {p: os.stat(os.path.join(out, p)).st_mtime_ns for p in before} == before
   args = pathlib.Path(out, prepare_lib.ARGS_FILE).read_bytes()
-  with pytest.raises(prepare_lib.PrepareError, match=r"other arguments \(differing: "
-                     r"add_eos, shard_tokens"):
+  # A finished corpus is refused other arguments; the message names each difference.
+  with pytest.raises(prepare_lib.PrepareError, match=r"holds a finished corpus prepared with "
+                     r"other arguments: --add_eos True -> False; --shard_tokens 600 -> 700 "):
     prepare_lib.prepare([os.path.join(root, "*")], out, prepare_lib.PrepareOptions(
         "byte", shard_tokens=700, add_eos=False), progress=False)
-  with pytest.raises(prepare_lib.PrepareError, match="differing: sources"):
+  with pytest.raises(prepare_lib.PrepareError) as refused:
     prepare_lib.prepare([os.path.join(root, "*.jsonl")], out,
                         prepare_lib.PrepareOptions("byte", shard_tokens=600), progress=False)
+  removed = sorted(p for p in os.listdir(root) if not p.endswith(".jsonl"))
+  assert f"{os.path.join(root, removed[0])} removed" in str(refused.value)
   assert pathlib.Path(out, prepare_lib.ARGS_FILE).read_bytes() == args
 
 
@@ -277,6 +280,59 @@ def test_bad_files_give_one_line_errors(tmp_path):
     list(readers.read_documents(str(tmp_path / "missing.txt"), "text"))
 
 
+def _write_bad_then_fixed(tmp_path):
+  """good.jsonl, then bad.jsonl whose line 2 is not JSON; returns (patterns, fix)."""
+  (tmp_path / "good.jsonl").write_text("".join('{"text": "doc %d"}\n' % i for i in range(30)))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"text": "one"}\n{"text": "two", oops\n{"text": "three"}\n')
+  return [str(tmp_path / "good.jsonl"), str(bad)], lambda: bad.write_text(
+      '{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n')
+
+
+def test_fixed_input_resumes_a_failed_run(tmp_path):
+  """Issue 23: after bad input the --out kept prepare_args.json, a done-file and a .tmp
+  shard, and once the file was fixed (its size changed) the rerun was refused."""
+  patterns, fix = _write_bad_then_fixed(tmp_path)
+  out = tmp_path / "out"
+  _one_line_error(patterns, out, r"bad.jsonl:2 is not valid JSON")
+  kept = {p: os.stat(out / p).st_mtime_ns for p in tree_bytes(str(out))
+          if p.startswith("shards/00000")}
+  assert "shards/00000.done.json" in kept  # good.jsonl was finished before bad.jsonl failed
+  fix()
+  result = _prepare(patterns, out)
+  assert result.sources_done_before == 1 and result.documents == 3
+  assert {p: os.stat(out / p).st_mtime_ns for p in kept} == kept  # not redone
+  assert tree_bytes(str(out)) == tree_bytes(str(_prepare(patterns, tmp_path / "fresh")
+                                                 .manifest_path).rsplit("/", 1)[0])
+
+
+def test_unfinished_run_with_other_options_redoes_its_sources(tmp_path):
+  patterns, fix = _write_bad_then_fixed(tmp_path)
+  out = tmp_path / "out"
+  _one_line_error(patterns, out, r"bad.jsonl:2 is not valid JSON", add_eos=False)
+  fix()
+  result = _prepare(patterns, out)  # add_eos back to True: good.jsonl's done-file is stale
+  assert result.sources_done_before == 0 and result.documents == 33
+  assert tree_bytes(str(out)) == tree_bytes(str(_prepare(patterns, tmp_path / "fresh")
+                                                 .manifest_path).rsplit("/", 1)[0])
+
+
+def test_finished_corpus_with_a_changed_input_is_refused_naming_it(tmp_path):
+  patterns, fix = _write_bad_then_fixed(tmp_path)
+  fix()
+  out = tmp_path / "out"
+  _prepare(patterns, out)
+  before = tree_bytes(str(out))
+  (tmp_path / "bad.jsonl").write_text('{"text": "one"}\n')
+  with pytest.raises(prepare_lib.PrepareError) as refused:
+    _prepare(patterns, out)
+  assert str(refused.value) == (
+      f"--out={str(out)!r} holds a finished corpus prepared with other arguments: "
+      f"{tmp_path}/bad.jsonl: 50 -> 16 bytes (see {out}/prepare_args.json); rerun with the "
+      "same arguments, or use a new --out")
+  assert tree_bytes(str(out)) == before
+
+
 def test_out_that_is_not_ours_is_left_alone(tmp_path):
   (tmp_path / "doc.txt").write_text("hello")
   out = tmp_path / "out"
@@ -296,6 +352,21 @@ def test_cli_errors_are_one_line(tmp_path):
     assert run.returncode == 1 and "Traceback" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("launch.prepare_data: ") and match in last, run.stderr
+
+
+@pytest.mark.slow
+def test_cli_rerun_after_fixing_the_input_continues(tmp_path):
+  patterns, fix = _write_bad_then_fixed(tmp_path)
+  flags = [f"--source={','.join(patterns)}", f"--out={tmp_path / 'out'}", "--noprogress"]
+  failed = _cli(*flags)
+  assert failed.returncode == 1 and "bad.jsonl:2 is not valid JSON" in failed.stderr
+  fix()
+  rerun = _cli(*flags)
+  assert rerun.returncode == 0, rerun.stderr
+  assert "prepare_data: 33 documents" in rerun.stdout
+  assert "1 of 2 files were done before" in rerun.stdout
+  assert (f"continuing an unfinished run with other arguments ({tmp_path}/bad.jsonl: 55 -> 50 "
+          "bytes)") in rerun.stderr
 
 
 @pytest.mark.slow

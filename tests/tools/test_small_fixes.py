@@ -44,6 +44,12 @@ def test_filter_finds_the_installed_packages_and_installs_once():
   dirs = logs.ThirdPartyFilter().dirs
   assert any(d.rstrip(os.sep).endswith(os.sep + "jax") for d in dirs), dirs
   assert any(os.sep + "orbax" in d for d in dirs), dirs
+  # Issue 23: optax's INFO line about a 0-step schedule piece passed on every benchmark run.
+  optax_dir = [d for d in dirs if d.rstrip(os.sep).endswith(os.sep + "optax")]
+  assert optax_dir, dirs
+  assert not logs.ThirdPartyFilter().filter(_record(
+      os.path.join(optax_dir[0], "schedules", "_schedule.py"), std_logging.INFO,
+      "A polynomial schedule was set with a non-positive `transition_steps` value"))
   # Our own packages are never filtered (the venv may live inside the repository).
   for ours in ("zaya_jax", "launch", "pallas_kernels", "configs"):
     assert not any(os.path.join(REPO, ours, "").startswith(d) for d in dirs), (ours, dirs)

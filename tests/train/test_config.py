@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from configs import base, zaya1_base, zaya1_tiny
-from zaya_jax.config import ConfigError, resolve
+from zaya_jax.config import ConfigError, TrainConfig, resolve
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,7 +43,6 @@ def test_zaya1_base_needs_a_tokenizer():
     ("train", "num_steps", 0, "train.num_steps"),
     ("train", "batch_size", -1, "train.batch_size"),
     ("train", "seq_len", 0, "train.seq_len"),
-    ("train", "warmup_steps", 301, "train.warmup_steps=301 must be < train.num_steps=300"),
     ("train", "lr", 0.0, "train.lr"),
     ("train", "min_lr_ratio", 2.0, "train.min_lr_ratio"),
     ("train", "b2", 1.0, "train.b2"),
@@ -55,6 +54,34 @@ def test_bad_values_name_the_field(group, field, value, message):
   config[group][field] = value
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
     resolve(config)
+
+
+def test_warmup_longer_than_the_run_is_clamped_with_one_warning(caplog):
+  """Issue 23: zaya1_tiny with num_steps=20 stopped on its 30 warm-up steps. resolve clamps
+  the warm-up to the longest the schedule allows and says so; TrainConfig itself still
+  refuses such a warm-up (the invariant the schedules rely on)."""
+  config = zaya1_tiny.get_config()
+  config.train.num_steps = 20
+  with caplog.at_level("WARNING"):
+    train = resolve(config).train
+  assert train.warmup_steps == 19 and train.num_steps == 20
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert warnings == ["train.warmup_steps=30 does not fit train.num_steps=20: warming up over "
+                      "19 steps (the warm-up is clamped to the run); set train.warmup_steps to "
+                      "choose"], warnings
+  config.train.num_steps, config.train.warmup_steps = 300, 301
+  assert resolve(config).train.warmup_steps == 299
+  config.train.schedule, config.train.decay_fraction = "wsd", 0.2  # 60 decay steps
+  assert resolve(config).train.warmup_steps == 240
+  config.train.schedule, config.train.schedule_steps = "cosine", 100
+  assert resolve(config).train.warmup_steps == 99
+  config.train.schedule_steps, config.train.warmup_steps = 0, 30
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    assert resolve(config).train.warmup_steps == 30  # fits: untouched, nothing said
+  assert not [r for r in caplog.records if "warmup" in r.getMessage()]
+  with pytest.raises(ConfigError, match=r"train\.warmup_steps=301 must be < train\.num_steps=300"):
+    TrainConfig(num_steps=300, warmup_steps=301)
 
 
 def test_unknown_field_is_named():

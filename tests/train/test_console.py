@@ -183,6 +183,8 @@ def test_records_of_a_tiny_run(tiny_run):
   assert summary["ended"] == "finished" and summary["steps_this_run"] == STEPS
   assert summary["train_loss"] == train[STEPS]["loss"]
   assert summary["eval_loss"] == run_records(workdir, "eval")[STEPS]["loss"]
+  # The loop timed steps 2..6 for the watchdog (on by default; the bound follows the median).
+  assert 0 < summary["step_time_median_s"] < 60
   with open(os.path.join(workdir, "config.json")) as f:
     written = json.load(f)
   manager = open_manager(os.path.join(workdir, "checkpoints"), read_only=True)

@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -201,6 +202,27 @@ def test_schedule_ends_on_the_final_rate(schedule):
   else:  # cosine from the peak at update 3 to the end at update 12
     np.testing.assert_allclose(rates[3], 0.1 + 0.45 * (1 + np.cos(np.pi / 9)), rtol=1e-6)
     assert all(a > b for a, b in zip(rates[2:], rates[3:]))
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_no_warmup_builds_no_zero_length_piece(schedule, caplog):
+  """Issue 23: warmup_steps=0 (configs/bench_cpu.py, every benchmark) built optax's 0-step
+  warm-up, which logs "A polynomial schedule was set with a non-positive `transition_steps`
+  value" at INFO. The cosine without it is the same schedule: equal to optax's, bit for bit."""
+  cfg = TrainConfig(num_steps=37, warmup_steps=0, lr=3e-4, min_lr_ratio=0.1, schedule=schedule)
+  with caplog.at_level("DEBUG"):
+    sched = make_schedule(cfg)
+  assert not [r for r in caplog.records if "transition_steps" in r.getMessage()]
+  rates = np.array([float(sched(step)) for step in range(40)])  # updates 1..40
+  if schedule == "cosine":
+    want = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=3e-4, warmup_steps=0,
+                                              decay_steps=37, end_value=3e-4 * 0.1)
+    np.testing.assert_array_equal(rates, [float(want(k)) for k in range(1, 41)])
+    assert rates[0] > rates[20] > rates[36]
+  else:  # no warm-up: the peak from update 1 until the decay (the last 7 updates)
+    np.testing.assert_allclose(rates[:30], 3e-4, rtol=1e-6)
+    assert rates[29] > rates[30] > rates[36]
+  np.testing.assert_allclose(rates[36:], 3e-5, rtol=1e-6)  # the end rate from update 37 on
 
 
 class _Toy(nnx.Module):

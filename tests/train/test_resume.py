@@ -73,5 +73,6 @@ def test_resume_refuses_another_model_and_follows_run_shape_changes(tmp_path, ca
   assert ("data.num_workers changed 0 -> 2 (each worker count reads the documents in its own "
           "order), so the saved data position is not applied: the model, optimizer and step "
           "resume, and the data order restarts") in out, out[-4000:]
+  assert "leaked shared_memory" not in out, out[-4000:]  # issue 23: the workers' last batch
   assert "cannot be restored" not in out and not (workdir / "checkpoints_corrupt").exists()
   assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "3"]  # max_to_keep=2

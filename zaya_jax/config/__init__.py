@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import ml_collections
+from absl import logging
 
 from zaya_jax.data import DataConfig, load_tokenizer, prepared
 from zaya_jax.config.model import ModelConfig
@@ -72,7 +73,8 @@ class TrainConfig:
   eval_batches: int = 16  # batches per evaluation; 0 = no evaluation
   max_consecutive_skips: int = 10  # non-finite updates in a row before rolling back; 0 = never
   skip_data_on_rollback: bool = True  # after a rollback, keep reading after the offending batches
-  step_timeout_s: float = 0.0  # watchdog: dump stacks and exit if a step hangs this long; 0 = off
+  step_timeout_s: float = 600.0  # watchdog floor (s): a step slower than max(this, factor x median) exits 3; 0 = off
+  step_timeout_factor: float = 20.0  # watchdog: multiple of the median step time; 0 = fixed step_timeout_s
   inject_nan_at_steps: tuple[int, ...] = ()  # TEST ONLY: make these updates' loss and grads NaN
   init_from: str = ""  # fresh runs start from these weights: run workdir | checkpoint step dir | HF dir
   schedule_steps: int = 0  # lr schedule horizon in steps; 0 = num_steps (set by schedule_extend)
@@ -91,9 +93,12 @@ class TrainConfig:
     if not isinstance(self.skip_data_on_rollback, bool):
       raise ConfigError(f"train.skip_data_on_rollback={self.skip_data_on_rollback!r} must be "
                         "True or False")
-    if not (isinstance(self.step_timeout_s, (int, float)) and self.step_timeout_s >= 0):
+    if not (_is_number(self.step_timeout_s) and self.step_timeout_s >= 0):
       raise ConfigError(f"train.step_timeout_s={self.step_timeout_s!r} must be >= 0 seconds "
                         "(0 = no watchdog)")
+    if not (_is_number(self.step_timeout_factor) and self.step_timeout_factor >= 0):
+      raise ConfigError(f"train.step_timeout_factor={self.step_timeout_factor!r} must be >= 0 "
+                        "(a multiple of the median step time; 0 = train.step_timeout_s alone)")
     if not all(isinstance(s, int) and s >= 1 for s in self.inject_nan_at_steps):
       raise ConfigError(f"train.inject_nan_at_steps={self.inject_nan_at_steps!r} must be a tuple "
                         "of steps >= 1 (a test-only fault injection; leave it empty)")
@@ -313,11 +318,46 @@ def config_differences(saved: dict[str, Any], current: RunConfig, group: str,
           if k in before and k not in ignore and before[k] != now[k]]
 
 
+def clamp_warmup(train: dict[str, Any]) -> str | None:
+  """Shortens `train["warmup_steps"]` (in place) to the longest warm-up the run's schedule
+  allows, when it is longer: < the horizon (train.schedule_steps, else num_steps), and for
+  "wsd" at most the horizon minus its decay steps. As torchtitan and MaxText accept a short
+  run of a config made for a long one (e.g. zaya1_tiny's 30 warm-up steps with num_steps=20).
+
+  Returns:
+    The one-line warning saying what was clamped, or None when nothing was (also when the
+    fields are not valid numbers: TrainConfig's validation names them).
+  """
+  try:
+    warmup, steps = train.get("warmup_steps", 0), train.get("num_steps", 1)
+    horizon = train.get("schedule_steps", 0) or steps
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (warmup, horizon)):
+      return None
+    limit = horizon - 1
+    if train.get("schedule") == "wsd":
+      limit = min(limit, horizon - int(round(float(train.get("decay_fraction", 0.2)) * horizon)))
+  except (TypeError, ValueError):
+    return None
+  if horizon < 1 or warmup <= limit or limit < 0:
+    return None
+  train["warmup_steps"] = limit
+  over = (f"train.schedule_steps={horizon}" if train.get("schedule_steps") else
+          f"train.num_steps={steps}")
+  decay = " minus the wsd decay" if limit < horizon - 1 else ""
+  return (f"train.warmup_steps={warmup} does not fit {over}: warming up over {limit} steps "
+          f"(the warm-up is clamped to the run{decay}); set train.warmup_steps to choose")
+
+
 def build_group(cls, config: ml_collections.ConfigDict, group: str):
-  """`cls(**config[group])`, with unknown fields and constructor errors named `group.field`."""
+  """`cls(**config[group])`, with unknown fields and constructor errors named `group.field`.
+  The train group's warm-up is first clamped to the run (`clamp_warmup`, logged)."""
   if group not in config:
     raise ConfigError(f"config has no {group!r} group; start from configs/base.py")
   values = dict(config[group])
+  if group == "train":
+    clamped = clamp_warmup(values)
+    if clamped:
+      logging.warning("%s", clamped)
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - names)
   for f in unknown:

@@ -196,8 +196,28 @@ class ImportedRun:
   replaced: list[str]
 
 
+def training_settings(cfg: RunConfig, config_file: str, source: str | None) -> str:
+  """One line: the training settings `config_file` holds and how to change them.
+
+  Args:
+    cfg: the resolved run config written to `config_file`.
+    source: the `--config` file they came from, or None for the default (configs/base.py:
+      ZAYA1-base's pre-training settings, said so).
+  """
+  t = cfg.train
+  where = (f"are configs/base.py's (no --config given: ZAYA1-base's pre-training settings)"
+           if source is None else f"come from --config={source}")
+  return (f"training settings in {config_file} {where}: {t.num_steps} steps of "
+          f"{t.batch_size} x {t.seq_len} = {t.batch_size * t.seq_len:,} tokens, warm-up "
+          f"{t.warmup_steps}, peak lr {t.lr:g} ({t.schedule}), eval every {t.eval_every}, "
+          f"checkpoint every {cfg.checkpoint.every_steps} steps; change them with "
+          "--config=FILE (e.g. configs/zaya1_tiny.py) or --config.train.<field>=VALUE on this "
+          "command, or with --config.train.<field>=VALUE on launch.train")
+
+
 def new_run_from_hf(config: ml_collections.ConfigDict, hf_dir: str, workdir: str,
-                    explicit: Collection[str] = ()) -> ImportedRun:
+                    explicit: Collection[str] = (),
+                    config_source: str | None = None) -> ImportedRun:
   """Imports `hf_dir` as step 0 of a new run in `workdir`, its model config from config.json.
 
   The model group of `config` is replaced by `hf_dir/config.json`'s architecture
@@ -211,6 +231,8 @@ def new_run_from_hf(config: ml_collections.ConfigDict, hf_dir: str, workdir: str
     hf_dir: a transformers save_pretrained directory.
     workdir: a new run directory.
     explicit: the `group.field` paths set on the command line (`get_override_values`).
+    config_source: the `--config` file `config` was read from; None = the default
+      (configs/base.py), which the log line on the training settings then says.
   Raises:
     ConvertError: as `import_to_run` and `apply_hf_model`, or a config that does not resolve
       with the checkpoint's model (the field and the fix are named).
@@ -244,11 +266,15 @@ def new_run_from_hf(config: ml_collections.ConfigDict, hf_dir: str, workdir: str
                m.num_experts, m.vocab_size, source or cfg.data.tokenizer)
   ckpt_dir = import_to_run(cfg, hf_dir, workdir, tokenizer_source=source)
   config_file = os.path.join(workdir, "config.py")
+  origin = (f"--config={config_source}" if config_source is not None
+            else "configs/base.py (no --config given)")
   header = (f"Run config written by launch.convert_from_hf: the model from {hf_dir}/config.json, "
-            "the rest\nfrom the --config given then. Train with\n  python -m launch.train "
+            f"the rest\nfrom {origin}. Train with\n  python -m launch.train "
             f"--config={config_file} --workdir={workdir}\n")
   with open(config_file, "w") as f:
     f.write(render_config_py(config, header))
+  settings = training_settings(cfg, config_file, config_source)
+  (logging.warning if config_source is None else logging.info)("%s", settings)
   return ImportedRun(ckpt_dir, config_file, cfg, replaced)
 
 

@@ -34,12 +34,19 @@ the cumulative row count per packed window (an int64 per window), so `row(r)` ma
 (epoch, window) by searchsorted; the bins of the most recent windows are cached. Reaching
 row r the first time costs packing every window before it once (a resume at row R pays it
 once, from lengths: ~1-3 us per document).
+
+Threads: grain's prefetch threads call `row()` of one index at once. The caches are read and
+extended under one lock (`_lock`); without it two threads crossing an epoch boundary together
+could both append a window to the same cumulative count, which then never reached the epoch's
+window count, and `locate` packed empty windows forever (issue 23). Pickling (grain's worker
+processes) drops the caches and the lock; the copy makes its own.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import threading
 from typing import Literal
 
 import numpy as np
@@ -122,10 +129,23 @@ class BestFitRows:
     self.window = int(window)
     self.long_documents = long_documents
     self._windows_per_epoch = -(-self._ids.size // self.window)
+    self._reset_caches()
+
+  def _reset_caches(self) -> None:
+    """Empty caches and a new lock (at construction and after unpickling)."""
+    self._lock = threading.Lock()  # held by every public method that reads the caches
     self._cums: list[list[int]] = []
     self._perms: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
     self._bins: collections.OrderedDict[tuple[int, int], list[list[int]]] = (
         collections.OrderedDict())
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items()
+            if k not in ("_lock", "_cums", "_perms", "_bins")}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._reset_caches()
 
   @property
   def documents_per_epoch(self) -> int:
@@ -139,6 +159,8 @@ class BestFitRows:
       if len(self._perms) > 2:
         self._perms.popitem(last=False)
     return self._perms[e]
+
+  # The underscored methods below expect the caller to hold self._lock.
 
   def _pack(self, e: int, w: int) -> list[list[int]]:
     """Bins of window w of epoch e: lists of global document ids."""
@@ -168,9 +190,17 @@ class BestFitRows:
     return True
 
   def locate(self, r: int) -> tuple[int, int, int]:
-    """(epoch, window, bin within the window) of global row r >= 0."""
+    """(epoch, window, bin within the window) of global row r >= 0. Thread-safe.
+
+    Raises:
+      IndexError: r < 0.
+    """
     if r < 0:
       raise IndexError(f"best_fit packing: row {r} < 0")
+    with self._lock:
+      return self._locate(r)
+
+  def _locate(self, r: int) -> tuple[int, int, int]:
     e, first = 0, 0
     while True:
       cum, local = self._cum(e), r - first
@@ -183,17 +213,23 @@ class BestFitRows:
       e += 1
 
   def row(self, r: int) -> list[Piece]:
-    """The pieces (global document id, 0, pairs kept) of global row r, in bin order."""
-    e, w, b = self.locate(r)
-    return [(d, 0, int(self._pairs[d])) for d in self._pack(e, w)[b]]
+    """The pieces (global document id, 0, pairs kept) of global row r, in bin order.
+    Thread-safe."""
+    if r < 0:
+      raise IndexError(f"best_fit packing: row {r} < 0")
+    with self._lock:
+      e, w, b = self._locate(r)
+      docs = self._pack(e, w)[b]
+    return [(d, 0, int(self._pairs[d])) for d in docs]
 
   def padding_fraction(self, r: int) -> float:
     """1 - (pairs in row r) / seq_len: the share of row r that is padding, in [0, 1)."""
     return 1.0 - sum(stop - start for _, start, stop in self.row(r)) / self.seq_len
 
   def rows_per_epoch(self, epoch: int = 0) -> int:
-    """Rows of an epoch (packs all its windows once)."""
-    while self._pack_next(epoch):
-      pass
-    return self._cum(epoch)[-1]
+    """Rows of an epoch (packs all its windows once). Thread-safe."""
+    with self._lock:
+      while self._pack_next(epoch):
+        pass
+      return self._cum(epoch)[-1]
 

@@ -23,6 +23,7 @@ the same `RowIndex` protocol.
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import numpy as np
@@ -31,7 +32,12 @@ Piece = tuple[int, int, int]  # (doc_id, start, stop): pairs [start, stop) of th
 
 
 class RowIndex(Protocol):
-  """Random access to the packed rows of one source: `row(r)` for any r >= 0."""
+  """Random access to the packed rows of one source: `row(r)` for any r >= 0.
+
+  `row` must be safe to call from several threads at once (grain's prefetch threads share
+  one index) and the index picklable (grain's worker processes get a copy): an index with
+  caches guards them with a lock, which its pickled state leaves out.
+  """
 
   seq_len: int
 
@@ -96,15 +102,18 @@ class ConcatRows:
                        "(every document has < 2 tokens); add documents or lower "
                        "data.eval_fraction.")
     self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self._lock = threading.Lock()  # grain's prefetch threads share the cache
 
   def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
-    """(order, ends) of epoch e: its permutation and cumsum of its pairs (cached, 2 kept)."""
-    if e not in self._epochs:
-      if len(self._epochs) >= 2:
-        del self._epochs[min(self._epochs)]
-      order = epoch_order(self.train_ids, *self.seeds, e)
-      self._epochs[e] = (order, np.cumsum(self.pairs[order]))
-    return self._epochs[e]
+    """(order, ends) of epoch e: its permutation and cumsum of its pairs (cached, 2 kept).
+    Thread-safe."""
+    with self._lock:
+      if e not in self._epochs:
+        if len(self._epochs) >= 2:
+          del self._epochs[min(self._epochs)]
+        order = epoch_order(self.train_ids, *self.seeds, e)
+        self._epochs[e] = (order, np.cumsum(self.pairs[order]))
+      return self._epochs[e]
 
   def row(self, r: int) -> list[Piece]:
     """Pairs [r*T, (r+1)*T) of the endless stream, as pieces."""
@@ -120,7 +129,13 @@ class ConcatRows:
     return pieces
 
   def __getstate__(self):
-    return {**self.__dict__, "_epochs": {}}
+    state = {**self.__dict__, "_epochs": {}}
+    del state["_lock"]  # a lock does not pickle; the copy gets its own
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
 
 
 class SequentialRows:

@@ -166,7 +166,20 @@ class GlobalBatchIterator(grain.DatasetIterator):
     self._start_row = next_row
     self._batch_base = int(state["global_batch"])
     self._batches = 0
+    self._close_inner()  # its worker processes and shared memory, if it started any
     self._inner = self._make(self.rows, self._start_row)
+
+  def _close_inner(self) -> None:
+    close = getattr(self._inner, "close", None)
+    if close is not None:
+      close()
+
+  def close(self) -> None:
+    """Stops the inner pipeline: grain's worker processes (data.num_workers > 0) and the
+    shared memory of the batches they had made (else left to the resource tracker, which
+    warns of leaked shared_memory objects at exit). Idempotent; no batch after it."""
+    self._close_inner()
+    super().close()
 
   def _resumed_mixture(self, saved: dict[str, Any] | None, next_row: int) -> mixture.MixedRows:
     """The checkpoint's phases over this run's sources, plus a new phase at `next_row` if

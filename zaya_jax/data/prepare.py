@@ -9,12 +9,18 @@ runs write byte-identical files.
 
 Resumability:
   - `DIR/prepare_args.json` (written first) records the tokenizer (and its sha256), options
-    and every source with its size; a rerun into DIR with anything different is refused.
+    and every source with its size. A rerun into a *finished* DIR (manifest.json written) with
+    anything different is refused, the message naming each difference. A rerun into an
+    unfinished one (a killed run, or one stopped by bad input that has since been fixed)
+    continues with the new arguments: prepare_args.json is rewritten and every source whose
+    file, size or recipe changed is redone.
   - a shard is written as `NAME.tmp` and renamed when complete; when all shards of source i
-    are, `shards/<i:05d>.done.json` (its SourceInfo and ShardInfos) is written atomically.
-  - a rerun skips sources with a done-file (their files are not touched), removes whatever a
-    killed run left of the others and redoes them; the manifest is written last, from the
-    done-files only, so a half-written shard is never listed.
+    are, `shards/<i:05d>.done.json` (its SourceInfo, ShardInfos and the digest of the recipe,
+    i.e. the arguments other than the sources) is written atomically.
+  - a rerun skips sources with a valid done-file (same path, size and recipe; their files are
+    not touched), removes whatever an earlier run left of the others and redoes them; the
+    manifest is written last, from the done-files only, so a half-written shard is never
+    listed.
 
 Documents with no tokens (an empty text without bos/eos) are left out; empty .txt files and
 blank .jsonl lines are not documents. Worker processes and the progress bar: `prepare_pool`.
@@ -33,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from absl import logging
 from array_record.python import array_record_module
 
 from zaya_jax.data import manifest as manifest_lib
@@ -171,25 +178,81 @@ def done_file(out: str, source: int) -> str:
   return os.path.join(out, SHARDS_DIR, f"{source:05d}.done.json")
 
 
-def _claim_out(out: str, args: dict[str, Any]) -> None:
-  """Creates `out` and writes prepare_args.json, or checks an existing one equals `args`."""
+def recipe_digest(args: dict[str, Any]) -> str:
+  """sha256 of the arguments other than the sources: what a source's shards depend on
+  besides the source file itself (format, tokenizer, options)."""
+  recipe = {k: v for k, v in args.items() if k != "sources"}
+  return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 40 else text[:18] + "..." + text[-18:]
+
+
+def describe_differences(before: dict[str, Any], after: dict[str, Any], limit: int = 4) -> str:
+  """What changed between two prepare_args.json contents, e.g. `--add_eos True -> False;
+  a.jsonl: 120 -> 131 bytes`; at most `limit` items per kind, then `and N more`."""
+  items: list[str] = []
+  for key in sorted(set(before) | set(after)):
+    old, new = before.get(key), after.get(key)
+    if old == new or key == "sources":
+      continue
+    if key == "tokenizer" and isinstance(old, dict) and isinstance(new, dict):
+      items += [f"--tokenizer {k}: {_short(old.get(k))} -> {_short(new.get(k))}"
+                for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    elif key in ("format", "format_version"):
+      items.append(f"{key} {_short(old)} -> {_short(new)} (written by another version)")
+    else:
+      items.append(f"--{key} {_short(old)} -> {_short(new)}")
+  old_sources = {s["path"]: s["bytes"] for s in before.get("sources", [])}
+  new_sources = {s["path"]: s["bytes"] for s in after.get("sources", [])}
+  changes = [f"{p}: {old_sources[p]} -> {new_sources[p]} bytes" for p in new_sources
+             if p in old_sources and old_sources[p] != new_sources[p]]
+  changes += [f"{p} added" for p in new_sources if p not in old_sources]
+  changes += [f"{p} removed" for p in old_sources if p not in new_sources]
+  if not changes and list(old_sources) != list(new_sources):
+    changes.append("the source files' order")
+  if len(changes) > limit:
+    changes = changes[:limit] + [f"and {len(changes) - limit} more source change(s)"]
+  return "; ".join(items + changes) or "nothing"
+
+
+def _claim_out(out: str, args: dict[str, Any]) -> bool:
+  """Creates `out` and writes prepare_args.json, or takes over an existing one.
+
+  Returns:
+    True if `out` held these very arguments (its done-files without a recipe digest, written
+    before the digest existed, are then trusted).
+
+  Raises:
+    PrepareError: `out` is a file, a non-empty directory that is not a prepare_data output,
+      or a finished output (manifest.json) of other arguments (naming each difference).
+  """
   path = os.path.join(out, ARGS_FILE)
   if os.path.exists(out) and not os.path.isdir(out):
     raise PrepareError(f"--out={out!r} is a file; give a directory")
   if os.path.isfile(path):
     with open(path, encoding="utf-8") as f:
       before = json.load(f)
-    if before != args:
-      keys = sorted(k for k in set(before) | set(args) if before.get(k) != args.get(k))
+    if before == args:
+      return True
+    differences = describe_differences(before, args)
+    if os.path.exists(os.path.join(out, manifest_lib.MANIFEST_FILE)):
       raise PrepareError(
-          f"--out={out!r} was prepared with other arguments (differing: {', '.join(keys)}; "
-          f"see {path}); rerun with the same arguments to resume, or use a new --out")
-    return
+          f"--out={out!r} holds a finished corpus prepared with other arguments: "
+          f"{differences} (see {path}); rerun with the same arguments, or use a new --out")
+    logging.warning("--out=%r: continuing an unfinished run with other arguments (%s); input "
+                    "files whose size or arguments changed are tokenized again", out,
+                    differences)
+    _write_json(path, args)
+    return False
   if os.path.isdir(out) and os.listdir(out):
     raise PrepareError(f"--out={out!r} is not empty and has no {ARGS_FILE} (not a "
                        "prepare_data output); nothing was written; use a new or empty --out")
   os.makedirs(os.path.join(out, SHARDS_DIR), exist_ok=True)
   _write_json(path, args)
+  return True
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -200,12 +263,18 @@ def _write_json(path: str, value: Any) -> None:
   os.replace(tmp, path)
 
 
-def _load_done(out: str, source: int, path: str) -> dict[str, Any] | None:
-  """Source `source`'s done-file if its shards are all there with their sizes, else None."""
+def _load_done(out: str, source: int, path: str, size: int, recipe: str,
+               trust_legacy: bool) -> dict[str, Any] | None:
+  """Source `source`'s done-file if it is for `path` of `size` bytes made with `recipe` (a
+  done-file without a recipe only when `trust_legacy`) and its shards are all there with
+  their sizes, else None."""
   try:
     with open(done_file(out, source), encoding="utf-8") as f:
       done = json.load(f)
-    if done["source"]["path"] != path:
+    if done["source"]["path"] != path or done["source"]["bytes"] != size:
+      return None
+    made_with = done.get("recipe")  # None: written before done-files recorded it
+    if made_with != recipe and not (made_with is None and trust_legacy):
       return None
     for shard in done["shards"]:
       if os.path.getsize(os.path.join(out, shard["path"])) != shard["bytes"]:
@@ -283,10 +352,13 @@ class _Aborted(Exception):
   """Another worker failed; this one stops (its source stays undone)."""
 
 
-def prepare_source(source: int, out: str, path: str, options: PrepareOptions,
+def prepare_source(source: int, out: str, path: str, options: PrepareOptions, recipe: str,
                    report: Callable[[int, int], None],
                    stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
   """Writes source `source`'s shards and done-file; returns the done-file's contents.
+
+  `recipe`: `recipe_digest` of the run's arguments, recorded in the done-file (a rerun with
+  another recipe redoes the source).
 
   The caller has removed whatever an earlier run left of this source (`_remove_unfinished`);
   names written here replace any that remain. `report(documents, tokens)`
@@ -330,7 +402,8 @@ def prepare_source(source: int, out: str, path: str, options: PrepareOptions,
   done = {"source": dataclasses.asdict(manifest_lib.SourceInfo(
               path=path, bytes=os.path.getsize(path), documents=documents)),
           "shards": [dataclasses.asdict(s) for s in shards],
-          "skipped_records": len(skipped), "skipped_first": skipped[:_SKIPPED_SHOWN]}
+          "skipped_records": len(skipped), "skipped_first": skipped[:_SKIPPED_SHOWN],
+          "recipe": recipe}
   _write_json(done_file(out, source), done)
   return done
 
@@ -362,9 +435,11 @@ def prepare(patterns: Sequence[str], out: str, options: PrepareOptions, num_work
   args = {"format": manifest_lib.FORMAT, "format_version": manifest_lib.FORMAT_VERSION,
           "tokenizer": dataclasses.asdict(info), **dataclasses.asdict(options),
           "sources": [{"path": p, "bytes": os.path.getsize(p)} for p in paths]}
-  _claim_out(out, args)
+  same_args = _claim_out(out, args)
   _TOKENIZERS[options.tokenizer] = tokenizer
-  done = {i: d for i, p in enumerate(paths) if (d := _load_done(out, i, p)) is not None}
+  recipe = recipe_digest(args)
+  done = {i: d for i, (p, s) in enumerate(zip(paths, args["sources"]))
+          if (d := _load_done(out, i, p, s["bytes"], recipe, same_args)) is not None}
   tasks = [(i, p) for i, p in enumerate(paths) if i not in done]
   _remove_unfinished(out, {i for i, _ in tasks})
   bar = prepare_pool.Bar(progress, len(paths))
@@ -372,11 +447,11 @@ def prepare(patterns: Sequence[str], out: str, options: PrepareOptions, num_work
   try:
     if workers == 1:
       for source, path in tasks:
-        done[source] = prepare_source(source, out, path, options, report=bar.add)
+        done[source] = prepare_source(source, out, path, options, recipe, report=bar.add)
     else:
       done.update(prepare_pool.run_pool(
-          prepare_source, [(i, out, p, options) for i, p in tasks], min(workers, len(tasks)),
-          bar))
+          prepare_source, [(i, out, p, options, recipe) for i, p in tasks],
+          min(workers, len(tasks)), bar))
   except (readers.ReadError, prepare_pool.WorkerDied) as e:
     raise PrepareError(str(e)) from e
   finally:

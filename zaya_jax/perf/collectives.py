@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from matplotlib.figure import Figure
 
 from zaya_jax.config.mesh import parse_meshes
 from zaya_jax.parallel.mesh import EXPERT, MESH_AXES, MeshConfig, make_mesh
@@ -386,9 +387,10 @@ def format_table(rows: Sequence[dict[str, Any]], header: bool = True) -> str:
   return report.text_table(head if header else None, lines, left=range(4), widths=widths, sep=" ")
 
 
-def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
+def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> Figure:
   """PNG: busbw (GB/s) vs size (bytes), log-log; one panel per (mesh, axes), one line per
-  collective (wrong results marked with a red x)."""
+  collective (wrong results marked with a red x). Returns the
+  Figure (written to `path`)."""
   panels = list(dict.fromkeys((r["mesh"], r["axes"], r["n"]) for r in rows))
   cols = min(3, len(panels))
   nrows = -(-len(panels) // cols)
@@ -418,3 +420,4 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
   for ax in axs[len(panels):]:
     ax.set_visible(False)
   report.save_figure(fig, path, title, wrap=140)
+  return fig

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from matplotlib.figure import Figure
 
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.perf import report
@@ -294,10 +295,11 @@ def format_table(results: Sequence[GemmResult]) -> str:
 _VARYING = {"square": 0, "m": 0, "n": 1, "k": 2}  # which of (M, N, K) a line sweeps
 
 
-def plot(results: Sequence[GemmResult], path: str, title: str) -> None:
+def plot(results: Sequence[GemmResult], path: str, title: str) -> Figure:
   """PNG: left, TFLOP/s vs size (one line per sweep kind and dtype; model GEMMs as points at
   (M N K)^(1/3); profile peaks dashed); right, one heat map of TFLOP/s over M x N at the
-  grid's K per dtype (when the sweep has a `grid`)."""
+  grid's K per dtype (when the sweep has a `grid`). Returns the
+  Figure (written to `path`)."""
   dtypes = list(dict.fromkeys(r.dtype for r in results))
   grid_dtypes = [d for d in dtypes if any(r.dtype == d and r.shape.kind == "grid" for r in results)]
   width = 7.0 + 5.5 * len(grid_dtypes)  # inches
@@ -357,6 +359,7 @@ def plot(results: Sequence[GemmResult], path: str, title: str) -> None:
     ax.set_ylabel("M")
     ax.set_title(f"{dtype} TFLOP/s, K = {rows[0].shape.k}")
   report.save_figure(fig, path, title, wrap=int(16 * width))  # ~16 characters per inch
+  return fig
 
 
 def write_report(results: Sequence[GemmResult], out_dir: str, note: str,

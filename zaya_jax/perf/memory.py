@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from matplotlib.figure import Figure
 
 from zaya_jax.perf import report
 from zaya_jax.parallel.accelerators import AcceleratorProfile
@@ -234,9 +235,10 @@ def format_table(results: Sequence[StreamResult]) -> str:
   return report.text_table(head, lines)
 
 
-def plot(results: Sequence[StreamResult], path: str, title: str) -> None:
+def plot(results: Sequence[StreamResult], path: str, title: str) -> Figure:
   """PNG: GB/s vs bytes per array, one line per kernel; the profile's HBM bandwidth dashed
-  where there is one; on a CPU the host's cache sizes as vertical lines."""
+  where there is one; on a CPU the host's cache sizes as vertical lines. Returns the
+  Figure (written to `path`)."""
   fig = report.new_figure(8.0, 5.5)
   ax = fig.subplots()
   for kernel, marker in zip(dict.fromkeys(r.kernel for r in results), "osv^"):
@@ -258,6 +260,7 @@ def plot(results: Sequence[StreamResult], path: str, title: str) -> None:
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
   report.save_figure(fig, path, title, wrap=110)
+  return fig
 
 
 def write_report(results: Sequence[StreamResult], out_dir: str, note: str,

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from matplotlib.figure import Figure
 
 from zaya_jax.config import BalanceConfig, TrainConfig
 from zaya_jax.config.model import ModelConfig
@@ -298,9 +299,10 @@ def format_exchange_table(rows: list[dict[str, Any]]) -> str:
   return _columns(head, lines)
 
 
-def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> Figure:
   """PNG with two bar charts per mesh row: memory per device (arguments, outputs, temps) and
-  bytes per device per step of each collective kind."""
+  bytes per device per step of each collective kind. Returns the
+  Figure (written to `path`)."""
   rows = [r for r in rows if "compile_s" in r]
   labels = [f"{r['data']},{r['fsdp']},{r['expert']}\n{r['dispatch']}" for r in rows]
   x = np.arange(len(rows))
@@ -327,6 +329,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=8)
   report.save_figure(fig, path, title, wrap=120)
+  return fig
 
 
 def host_note() -> str:

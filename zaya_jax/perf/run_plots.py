@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from zaya_jax.perf import report
 from zaya_jax.train import metrics
@@ -25,8 +26,9 @@ from zaya_jax.train import metrics
 _ANNOTATE_MAX_CELLS = 400  # heat maps with more cells get no numbers (unreadable)
 
 
-def plot_loss(records: list[dict], path: str, title: str) -> None:
-  """Writes `path`: loss (train, eval), gradient norm and learning rate vs step."""
+def plot_loss(records: list[dict], path: str, title: str) -> Figure:
+  """Writes `path`: loss (train, eval), gradient norm and learning rate vs step; returns the
+  Figure."""
   train_steps, train_loss = metrics.series(records, "train", "loss")
   eval_steps, eval_loss = metrics.series(records, "eval", "loss")
   panels = [("loss", None)]
@@ -66,6 +68,7 @@ def plot_loss(records: list[dict], path: str, title: str) -> None:
     ax.grid(alpha=0.3)
   axes[-1].set_xlabel("step")
   report.save_figure(fig, path, title, fontsize=9)
+  return fig
 
 
 def _skipped_steps(records: list[dict]) -> list[float]:
@@ -95,8 +98,9 @@ def balance_target_text(load_LX: np.ndarray) -> str:
           f"({balance_target(load_LX):.3f} of all at skip {skip:.3f})")
 
 
-def plot_expert_load(load_LX: np.ndarray, steps: list[int], path: str, title: str) -> None:
-  """Writes `path`: heat map of `load_LX` (fraction of tokens, skip class last)."""
+def plot_expert_load(load_LX: np.ndarray, steps: list[int], path: str, title: str) -> Figure:
+  """Writes `path`: heat map of `load_LX` (fraction of tokens, skip class last); returns the
+  Figure."""
   num_layers, num_classes = load_LX.shape
   fig = report.new_figure(max(5.0, 0.55 * num_classes + 2.5), max(3.0, 0.4 * num_layers + 1.8))
   ax = fig.subplots()
@@ -119,6 +123,7 @@ def plot_expert_load(load_LX: np.ndarray, steps: list[int], path: str, title: st
   ax.set_title(f"{title}\nmean expert load over {len(steps)} train records ({span}); "
                f"{balance_target_text(load_LX)}", fontsize=9)
   report.save_figure(fig, path)
+  return fig
 
 
 def per_layer_series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -130,8 +135,9 @@ def per_layer_series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndar
           np.asarray([r[key] for r in rows], np.float64))
 
 
-def plot_balance(records: list[dict], path: str, title: str) -> None:
-  """Writes `path`: max/mean expert load and normalised load entropy per layer vs step."""
+def plot_balance(records: list[dict], path: str, title: str) -> Figure:
+  """Writes `path`: max/mean expert load and normalised load entropy per layer vs step;
+  returns the Figure."""
   fig = report.new_figure(9.0, 6.0)
   top, bottom = fig.subplots(2, 1, sharex=True)
   for ax, key, label in ((top, "balance/max_over_mean", "max / mean expert load"),
@@ -149,6 +155,7 @@ def plot_balance(records: list[dict], path: str, title: str) -> None:
     top.legend(loc="upper right", fontsize=7, ncol=2)
   report.save_figure(fig, path, f"{title}: per-step expert load balance (skip class excluded)",
                      fontsize=9)
+  return fig
 
 
 def make_plots(workdir: str, out: str | None = None, window: int = 20) -> list[str]:

@@ -15,9 +15,11 @@ used (`Checkpointer.restore_latest`); SIGTERM/SIGINT end the run after the curre
 checkpoint (`StopSignals`), except during this run's first step (then nothing is saved, so an
 interrupted first compile leaves no checkpoint); an update with a non-finite loss or gradient
 is skipped, and `train.max_consecutive_skips` of them in a row restore the last checkpoint
-while the data iterator keeps going (past the offending batches); `train.step_timeout_s` arms
-a `Watchdog` around every call that can block the host after the first step (data fetch and
-step, metrics fetch, evaluation, save, restore, the stop-signal agreement); an exception in
+while the data iterator keeps going (past the offending batches); a `Watchdog` (on by default:
+max(`train.step_timeout_s`, `train.step_timeout_factor` x the median step time so far);
+`step_timeout_s=0` = off) is armed around every call that can block the host after the first
+step (data fetch and step, metrics fetch, evaluation, save, restore, the stop-signal
+agreement) and exits 3 with every thread's stack when one overruns; an exception in
 the loop that leaves the train state intact (a bad batch, an I/O error, a failed evaluation)
 first checkpoints the last completed step (single-process runs). The loop reads each update's
 skip flags one step late, so the host never waits for the step it just dispatched.
@@ -37,7 +39,7 @@ import numpy as np
 from absl import logging
 
 from zaya_jax.checkpoint import Checkpointer, config_record
-from zaya_jax.config import ConfigError, RunConfig, resolve
+from zaya_jax.config import ConfigError, RunConfig, cli_paths, resolve
 from zaya_jax.logs import quiet_third_party
 from zaya_jax.data import make_eval_sets, make_train_iterator
 from zaya_jax.data.global_iterator import GlobalBatchIterator
@@ -74,11 +76,19 @@ class _DataError(Exception):
 
 
 def _next_batch(data_iter) -> dict[str, np.ndarray]:
-  """`next(data_iter)`, with any error wrapped in `_DataError`."""
+  """`next(data_iter)`, with any error wrapped in `_DataError`.
+
+  A batch made by grain's worker processes (data.num_workers > 0) lives in shared memory
+  (numpy subclasses); it is copied into plain arrays here, so the shared memory is released
+  as soon as the batch is read, not when the garbage collector reaches the device arrays
+  that alias it (after the run's end, so the resource tracker warned of leaked
+  shared_memory objects at every exit).
+  """
   try:
-    return next(data_iter)
+    batch = next(data_iter)
   except Exception as e:
     raise _DataError(str(e)) from e
+  return {k: v if type(v) is np.ndarray else np.array(v) for k, v in batch.items()}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
@@ -104,6 +114,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   is_main = jax.process_index() == 0
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f"--workdir={workdir} exists and is not a directory; pass a directory path")
+  unwritable = cli_paths.unwritable_dir_problem(workdir, "--workdir", subdirs=("checkpoints",))
+  if unwritable:  # found now, not at the first write after the data is listed
+    raise ConfigError(unwritable)
   try:
     mesh = make_mesh(cfg.mesh)
     check_divisibility(mesh, num_experts=cfg.model.num_experts, hidden_size=cfg.model.hidden_size,
@@ -112,13 +125,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
     raise ConfigError(str(e)) from e
   # Signals are taken over before anything slow starts: a stop before or during the first
   # step ends the run after it, without a checkpoint.
-  with use_mesh(mesh), StopSignals() as stop:
-    return _train(cfg, workdir, mesh, is_main, stop)
+  with use_mesh(mesh), StopSignals() as stop, contextlib.ExitStack() as on_exit:
+    return _train(cfg, workdir, mesh, is_main, stop, on_exit)
+
+
+def _close_data(data_iter) -> None:
+  """Closes a data iterator (grain's: its worker processes and their shared memory)."""
+  close = getattr(data_iter, "close", None)
+  if close is not None:
+    close()
 
 
 def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
-           stop: StopSignals) -> TrainState:
-  """The training loop of `run`, inside the mesh context, with `stop` installed."""
+           stop: StopSignals, on_exit: contextlib.ExitStack) -> TrainState:
+  """The training loop of `run`, inside the mesh context, with `stop` installed; the data
+  iterators are closed by `on_exit` (at the end, on a stop or an error)."""
   train = cfg.train
   built = setup_training(cfg.model, train, mesh, cfg.balance,
                          fault_injection=bool(train.inject_nan_at_steps))
@@ -132,6 +153,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
     data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                     seed=train.seed, process_index=jax.process_index(),
                                     process_count=jax.process_count())
+    on_exit.callback(_close_data, data_iter)
     # Prepared corpora are opened once, by the training iterator; eval and header reuse them.
     opened = data_iter.corpora if isinstance(data_iter, GlobalBatchIterator) else None
     eval_sets = {}  # source name ("" for one corpus) -> its eval batches
@@ -148,7 +170,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
   os.makedirs(workdir, exist_ok=True)  # only once the config and the data are known to be good
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
   target = abstract_with_shardings(abstract_state, state_sharding)
-  watchdog = Watchdog(train.step_timeout_s)
+  watchdog = Watchdog(train.step_timeout_s, train.step_timeout_factor)
   with watchdog.guard("restoring the newest checkpoint"):  # reads and collectives
     restored = ckpt.restore_latest(target, data_iter, cfg)
   if restored is None and train.init_from:  # a new run from another run's or an HF model
@@ -165,9 +187,11 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       logging.info("train.init_from=%s ignored: resuming from checkpoint %d in %s",
                    train.init_from, latest, ckpt.directory)
     if not data_restored:  # saved by another process count: the positions mean other documents
+      _close_data(data_iter)
       data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                       seed=train.seed + latest, process_index=jax.process_index(),
                                       process_count=jax.process_count())
+      on_exit.callback(_close_data, data_iter)
     resumed = extend_schedule(ckpt.saved_config(latest)["train"], train, latest)
     if schedule_horizon(resumed) != schedule_horizon(train):  # rebuilt before its first call
       train_step = setup_training(cfg.model, resumed, mesh, cfg.balance,
@@ -242,7 +266,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       return
     jax.block_until_ready(state.step)  # the train steps dispatched so far stay in the window
     start = time.perf_counter()
-    with window.excluded(), watchdog.guard(f"evaluation at step {step}"):
+    with window.excluded(), watchdog.guard(f"evaluation at step {step}", len(eval_batches)):
       record = {"kind": "eval", "step": step, **evaluate_sets(eval_step, state, eval_sets)}
     seconds = time.perf_counter() - start
     times["eval"] += seconds
@@ -361,6 +385,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
         if is_main:
           logging.info("compiling the train step ...")
         first_start = time.perf_counter()
+      iteration_start, excluded_before = time.perf_counter(), times["eval"] + times["checkpoint"]
       guard = watchdog.guard(f"train step {step + 1}") if steps_this_run else contextlib.nullcontext()
       with guard:
         batch = global_batch(_next_batch(data_iter), data_sharding)
@@ -431,6 +456,9 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
         stop_reason = stop.received or "a stop signal on another process"
         break
       watchdog.disarm()
+      if steps_this_run > 1:  # the watchdog's median step time; the first step compiled
+        watchdog.record_step(time.perf_counter() - iteration_start
+                             - (times["eval"] + times["checkpoint"] - excluded_before))
 
     watchdog.arm(f"reading the flags of step {step}")
     if check_previous(previous) and is_main:  # the last update's flags: log a skip, no rollback
@@ -459,6 +487,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       "tokens_this_run": tokens_this_run, "train_loss": last_train_loss,
       "eval_loss": last_eval["loss"] if last_eval else None,
       "tokens_per_s": times["train_tokens"] / times["train"] if times["train"] else None,
+      "step_time_median_s": watchdog.median_step_s,  # what the watchdog's bound follows
       **{f"{k}_time_s": times[k] for k in ("total", "compile", "train", "eval", "checkpoint")}})
   tensorboard_dir = metrics_out.tensorboard_dir
   metrics_out.close()

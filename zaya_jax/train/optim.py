@@ -98,6 +98,10 @@ def _schedule_shape(train: TrainConfig, peak: float | None) -> optax.Schedule:
   peak = train.lr if peak is None else peak
   horizon = schedule_horizon(train)
   end = peak * train.min_lr_ratio
+  if train.schedule == "cosine" and not train.warmup_steps:
+    # optax's warm-up piece of 0 steps logs "A polynomial schedule was set with a non-positive
+    # `transition_steps` value" at INFO (every benchmark run); this is the same schedule.
+    return optax.cosine_decay_schedule(init_value=peak, decay_steps=horizon, alpha=end / peak)
   if train.schedule == "cosine":
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,

@@ -1,0 +1,141 @@
+"""Bad input to the entry points is one line, through the CLI (issue 23): a missing --config
+file, a read-only --workdir, a run shorter than its warm-up. Every run here fails (or warns)
+before a train step is compiled, so each takes the seconds of importing JAX."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import MODEL_OVERRIDES, REPO
+from zaya_jax.config.cli_paths import config_file_problem
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _run(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env or ENV,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line(proc: subprocess.CompletedProcess) -> str:
+  assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  return lines[0]
+
+
+# --- item 1: a missing --config file ---------------------------------------------------------
+
+def test_config_file_problem_reads_every_flag_form(tmp_path):
+  good = os.path.join(REPO, "configs", "zaya1_tiny.py")
+  assert config_file_problem(["prog", f"--config={good}"]) is None
+  assert config_file_problem(["prog", f"--config={good}:arg"]) is None  # get_config's argument
+  assert config_file_problem(["prog", "--workdir=x"]) is None  # absent: absl's business
+  missing = str(tmp_path / "nope.py")
+  for argv in (["prog", f"--config={missing}"], ["prog", "--config", missing],
+               ["prog", f"-config={missing}"], ["prog", f"--config={good}", f"--config={missing}"]):
+    problem = config_file_problem(argv)
+    assert problem is not None and problem.startswith("--config=") and "no such file" in problem, argv
+  assert "is a directory" in config_file_problem(["prog", f"--config={tmp_path}"])
+  assert config_file_problem(["prog", "--config="]).startswith("--config= is empty")
+
+
+def test_missing_config_file_is_one_line():
+  want = ("invalid flags: --config=configs/nope.py: no such file (relative paths start at the "
+          f"current directory, {REPO}); give an existing config file, e.g. "
+          "--config=configs/zaya1_tiny.py")
+  assert _one_line(_run("launch.train", "--config=configs/nope.py", "--workdir=/tmp/x")) == want
+  # An override used to fail inside the flag parser, with another traceback.
+  assert _one_line(_run("launch.train", "--config=configs/nope.py", "--workdir=/tmp/x",
+                        "--config.train.lr=1e-3")) == want
+  assert _one_line(_run("launch.sizing", "--config=configs/nope.py", "--num_devices=1")) == want
+
+
+# --- item 2: a read-only --workdir -----------------------------------------------------------
+
+def _can_mount_read_only(tmp_path) -> bool:
+  """Whether `unshare -m` can bind-mount a directory read-only (root with CAP_SYS_ADMIN, as
+  in CI). chmod would not do: root writes through permissions."""
+  d = tmp_path / "probe"
+  d.mkdir()
+  script = f"mount --bind {d} {d} && mount -o remount,bind,ro {d} && ! touch {d}/x 2>/dev/null"
+  try:
+    return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
+                          timeout=30).returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return False
+
+
+def test_read_only_workdir_is_one_line(tmp_path):
+  if not _can_mount_read_only(tmp_path):
+    pytest.skip("needs `unshare -m` and a read-only bind mount (root with CAP_SYS_ADMIN); "
+                "chmod is not enforced for root")
+  ro, run = tmp_path / "ro", tmp_path / "run"  # ro: a read-only mount; run/checkpoints: another
+  ro.mkdir()
+  (run / "checkpoints").mkdir(parents=True)
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  cases = {"mount": ro, "below": ro / "new" / "run", "checkpoints": run}
+  # The old code trained this micro run, then failed to save into run/checkpoints (226 lines).
+  train = shlex.join([sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
+                      *MODEL_OVERRIDES, "--config.train.seq_len=32",
+                      "--config.train.batch_size=2", "--config.train.num_steps=2",
+                      "--config.train.warmup_steps=1", "--config.train.eval_batches=0"])
+  script = " && ".join(
+      [f"mount --bind {ro} {ro}", f"mount -o remount,bind,ro {ro}",
+       f"mount --bind {run}/checkpoints {run}/checkpoints",
+       f"mount -o remount,bind,ro {run}/checkpoints"]
+      + [f"{{ {train} --workdir={w} 2>{logs}/{name}.err; echo $? > {logs}/{name}.rc; }}"
+         for name, w in cases.items()])
+  proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=REPO, env=ENV,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)  # a timeout ends the trainers too
+  try:
+    out = proc.communicate(timeout=150)[0]  # ~10 s; the old code trained, then hung saving
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    raise
+  assert proc.returncode == 0, out[-3000:]
+  want = {
+      "mount": f"invalid config: --workdir={ro}: {ro} is on a read-only file system",
+      "below": f"invalid config: --workdir={ro}/new/run cannot be created: {ro} is on a "
+               "read-only file system",
+      "checkpoints": f"invalid config: --workdir={run}: {run}/checkpoints is on a read-only "
+                     "file system",
+  }
+  for name, start in want.items():
+    err = (logs / f"{name}.err").read_text()
+    assert (logs / f"{name}.rc").read_text().strip() == "1", (name, err[-3000:])
+    assert "Traceback" not in err, (name, err[-3000:])
+    lines = err.strip().splitlines()
+    # The last line is the error; at most absl's "single process: ..." INFO line before it.
+    assert len(lines) <= 2 and lines[-1].startswith(start), (name, err[-3000:])
+    assert lines[-1].endswith("; pass a directory you can write to (or remount it read-write)")
+  assert not (ro / "new").exists() and os.listdir(run / "checkpoints") == []
+
+
+# --- item 6: a run shorter than its config's warm-up ---------------------------------------
+
+def test_short_run_clamps_the_warm_up_with_one_warning(tmp_path):
+  """zaya1_tiny (30 warm-up steps) with num_steps=20 used to stop on the config error; now
+  one warning and the run goes on (here to the next check: a --workdir that is a file, so
+  that nothing is compiled)."""
+  (tmp_path / "file").write_text("")
+  proc = _run("launch.train", "--config=configs/zaya1_tiny.py", "--config.train.num_steps=20",
+              f"--workdir={tmp_path / 'file'}")
+  warnings = [l for l in proc.stderr.splitlines() if "warmup" in l]
+  assert len(warnings) == 1 and warnings[0].endswith(
+      "train.warmup_steps=30 does not fit train.num_steps=20: warming up over 19 steps (the "
+      "warm-up is clamped to the run); set train.warmup_steps to choose"), proc.stderr[-3000:]
+  assert warnings[0].startswith("W")  # absl's WARNING prefix
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"invalid config: --workdir={tmp_path / 'file'} exists and is not a directory; pass a "
+      "directory path"), proc.stderr[-3000:]
