@@ -214,8 +214,11 @@ def test_bad_record_mid_run_checkpoints_the_last_step(tmp_path, cache):
   text = "".join(json.dumps({"text": f"document {i}: " + "abc " * (i % 9)}) + "\n"
                  for i in range(400))
   corpus.write_text(text)
+  # A row-shuffle window of 8 rows: the pipeline reads the corpus as it trains (the default
+  # 10,000-row window would have read this run's every row before its first step).
   args = [f"--config.data.source={corpus}", "--config.train.eval_batches=0",
-          "--config.train.num_steps=300", "--config.checkpoint.every_steps=1000"]
+          "--config.train.num_steps=300", "--config.checkpoint.every_steps=1000",
+          "--config.data.shuffle_window=8"]
   proc = launch_train(tmp_path / "run", cache, *args)
   wait_for_step(proc, tmp_path / "run", 2)
   corpus.write_text("")

@@ -43,6 +43,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.ops.sharding import batch_axes, single_device
@@ -162,9 +163,10 @@ def quantile_biases(probs_LMX: jax.Array, valid_M: jax.Array, biases_LX: jax.Arr
 # Finite bin edges of the score gap d (probability units; `histogram_biases`): 0 and
 # +-1e-5 * 2^(k/4) for k = 0 .. 79 (up to ~9.5, beyond any gap of biases within +-4), so a bin
 # spans 19% of its distance from the boundary: 161 edges, 162 bins.
-_POSITIVE_EDGES = 1e-5 * 2.0 ** (jnp.arange(80, dtype=jnp.float32) / 4)
-GAP_EDGES = jnp.concatenate([-_POSITIVE_EDGES[::-1], jnp.zeros((1,), jnp.float32),
-                             _POSITIVE_EDGES])
+# numpy, not jnp: importing this module must not start the XLA backend (multi-process runs
+# call jax.distributed.initialize first).
+_POSITIVE_EDGES = (1e-5 * 2.0 ** (np.arange(80) / 4)).astype(np.float32)
+GAP_EDGES = np.concatenate([-_POSITIVE_EDGES[::-1], np.zeros((1,), np.float32), _POSITIVE_EDGES])
 
 
 def gap_histogram(probs_LMX: jax.Array, valid_M: jax.Array, biases_LX: jax.Array) -> jax.Array:
@@ -198,7 +200,7 @@ def _local_gap_histogram(probs_LMX: jax.Array, valid_M: jax.Array,
   # max over the other classes: the runner-up for the top class, the top score otherwise
   is_top_LMX = scores_LMX >= top2_LM2[..., :1]
   other_LMX = jnp.where(is_top_LMX, top2_LM2[..., 1:], top2_LM2[..., :1])
-  bin_LMX = jnp.searchsorted(GAP_EDGES, scores_LMX - other_LMX, side="right")
+  bin_LMX = jnp.searchsorted(jnp.asarray(GAP_EDGES), scores_LMX - other_LMX, side="right")
   k = GAP_EDGES.shape[0] + 1
   segment_LMX = (jnp.arange(num_layers)[:, None, None] * num_classes
                  + jnp.arange(num_classes)[None, None, :]) * k + bin_LMX
@@ -212,19 +214,20 @@ def gap_quantile(hist_LXK: jax.Array, target_LX: jax.Array) -> jax.Array:
   """float32 [L, X]: the shift delta with `target` tokens of gap above it, read from the
   histogram (linear within a bin; clamped to the outermost finite edges)."""
   hist_LXK = hist_LXK.astype(jnp.float32)
+  edges = jnp.asarray(GAP_EDGES)
   # at_or_above[j] = tokens with d >= GAP_EDGES[j] = bins j+1 .. K-1
   at_or_above_LXJ = jnp.cumsum(hist_LXK[..., ::-1], axis=-1)[..., ::-1][..., 1:]
   target_LX1 = target_LX.astype(jnp.float32)[..., None]
   j_LX = jnp.sum(at_or_above_LXJ >= target_LX1, axis=-1) - 1  # last edge with >= target above
   last = GAP_EDGES.shape[0] - 1
   jc_LX = jnp.clip(j_LX, 0, last - 1)
-  lo_LX, hi_LX = GAP_EDGES[jc_LX], GAP_EDGES[jc_LX + 1]
+  lo_LX, hi_LX = edges[jc_LX], edges[jc_LX + 1]
   count_lo_LX = jnp.take_along_axis(at_or_above_LXJ, jc_LX[..., None], -1)[..., 0]
   in_bin_LX = jnp.take_along_axis(hist_LXK, jc_LX[..., None] + 1, -1)[..., 0]
   frac_LX = jnp.clip((count_lo_LX - target_LX) / jnp.maximum(in_bin_LX, 1.0), 0.0, 1.0)
   delta_LX = lo_LX + frac_LX * (hi_LX - lo_LX)
-  delta_LX = jnp.where(j_LX < 0, GAP_EDGES[0], delta_LX)
-  return jnp.where(j_LX >= last, GAP_EDGES[last], delta_LX)
+  delta_LX = jnp.where(j_LX < 0, edges[0], delta_LX)
+  return jnp.where(j_LX >= last, edges[last], delta_LX)
 
 
 def histogram_biases(probs_LMX: jax.Array, valid_M: jax.Array, biases_LX: jax.Array,
