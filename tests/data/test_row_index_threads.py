@@ -22,14 +22,15 @@ import pytest
 from zaya_jax.data.best_fit import BestFitRows
 from zaya_jax.data.global_index import ConcatRows, SequentialRows
 from zaya_jax.data.mixture import MixedRows
+from zaya_jax.data.row_shuffle import ShuffledRows
 
 SEEDS = 50
 THREADS = 4
 SEQ = 64
 # Epoch boundaries crossed per kind: 3, and 12 for ConcatRows, whose old race (a KeyError
 # evicting a cached epoch) needs many cache misses to show in most runs.
-EPOCHS = {"best_fit": 3, "concat": 12, "mixed": 3}
-HANG_BOUND_S = 120.0  # for all 50 seeds of one kind; a pass takes ~1-3 s
+EPOCHS = {"best_fit": 3, "concat": 12, "mixed": 3, "shuffled": 3}
+HANG_BOUND_S = 600.0  # for all 50 seeds of one kind; a pass takes ~1-3 s idle, > 120 s on 2 busy cores
 
 
 def _corpus(seed: int):
@@ -53,6 +54,10 @@ def _mixed(seed):
   return MixedRows([_best_fit(seed), _concat(seed + 1000)], [0.6, 0.4])
 
 
+def _shuffled(seed):  # data.shuffle_rows over best_fit: stateless itself, its inner index locks
+  return ShuffledRows(_best_fit(seed), 7, (seed, 1))
+
+
 def _eval(seed):
   pairs, _, held_out = _corpus(seed)
   return SequentialRows(pairs, held_out, SEQ)
@@ -69,13 +74,14 @@ def _rows_spanning_epochs(kind: str, seed: int) -> int:
     return concat_rows
   b = _best_fit(seed)
   best_fit_rows = sum(b.rows_per_epoch(e) for e in range(epochs)) + 1
-  if kind == "best_fit":
+  if kind in ("best_fit", "shuffled"):
     return best_fit_rows
   concat_rows = -(-epochs * _concat(seed + 1000).pairs_per_epoch // SEQ) + 1
   return int(max(best_fit_rows / 0.6, concat_rows / 0.4)) + 2  # mixed: 0.6 / 0.4 of the rows
 
 
-MAKE = {"best_fit": _best_fit, "concat": _concat, "mixed": _mixed, "eval": _eval}
+MAKE = {"best_fit": _best_fit, "concat": _concat, "mixed": _mixed, "eval": _eval,
+        "shuffled": _shuffled}
 
 
 @pytest.fixture
