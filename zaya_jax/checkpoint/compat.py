@@ -93,13 +93,12 @@ def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any
   if saved_workers != config.data.num_workers:
     return (f"data.num_workers changed {saved_workers} -> {config.data.num_workers} (each "
             "worker count reads the documents in its own order)")
-  saved_shuffle = (saved["data"].get("shuffle_rows", False),
-                   saved["data"].get("shuffle_window") if saved["data"].get("shuffle_rows") else None)
-  shuffle = (config.data.shuffle_rows,
-             config.data.shuffle_window if config.data.shuffle_rows else None)
-  if saved_shuffle != shuffle and (config.data.num_workers or (saved_shuffle[0] and shuffle[0])):
-    return (f"the row shuffle changed (data.shuffle_rows, shuffle_window) {saved_shuffle} -> "
-            f"{shuffle}: a position inside a shuffle window "
+  # Rows per raw-text shuffle window, None with data.shuffle_rows off.
+  saved_window = saved["data"].get("shuffle_window") if saved["data"].get("shuffle_rows") else None
+  window = config.data.shuffle_window if config.data.shuffle_rows else None
+  if saved_window != window and (config.data.num_workers or None not in (saved_window, window)):
+    return (f"the row shuffle window changed {saved_window} -> {window} rows (None: "
+            "data.shuffle_rows off): a position inside a shuffle window "
             + ("of worker processes cannot be converted" if config.data.num_workers
                else "of another size cannot be converted"))
   if saved_len != config.train.seq_len and (

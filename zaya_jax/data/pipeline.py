@@ -164,29 +164,29 @@ class PackedIterator(grain.DatasetIterator):
       return
     shuffled_state = isinstance(state, dict) and _WINDOW_START in state
     packing = state[_WINDOW_START] if shuffled_state else state
+    window_index = state["window_index"] if shuffled_state else 0
+    read = state["pos_in_window"] if shuffled_state else 0  # rows of that window handed out
     if saved != self.seq_len:
       packing = carry_position(packing, saved, self.seq_len, self._document_length)
-      if shuffled_state and state["pos_in_window"]:
+      if read:
         logging.warning("data: train.seq_len changed inside a row-shuffle window; its %d "
                         "rows are cut anew at %d tokens from the window's start, so the "
                         "tokens of the %d rows already read are read again",
-                        self.shuffle_window, self.seq_len, state["pos_in_window"])
+                        self.shuffle_window, self.seq_len, read)
+      read = 0
+    if not self.shuffle_window:
       if shuffled_state:
-        state = {**state, _WINDOW_START: packing, "pos_in_window": 0}
+        logging.warning("data: the saved position is inside a row-shuffle window and "
+                        "data.shuffle_rows is now off; the window's rows are read again in "
+                        "order from its start (%d rows already read are repeated)", read)
+      self._parent.set_state(packing)
+      return
     if not shuffled_state:
-      state = packing
-    if self.shuffle_window and not shuffled_state:
       logging.warning("data: the saved position has no row shuffle (data.shuffle_rows was "
                       "off); rows are shuffled from here on, in windows of %d",
                       self.shuffle_window)
-      state = {_WINDOW_START: packing, "window_index": 0, "pos_in_window": 0}
-    elif not self.shuffle_window and shuffled_state:
-      logging.warning("data: the saved position is inside a row-shuffle window and "
-                      "data.shuffle_rows is now off; the window's rows are read again in "
-                      "order from its start (%d rows already read are repeated)",
-                      state["pos_in_window"])
-      state = state[_WINDOW_START]
-    self._parent.set_state(state)
+    self._parent.set_state({_WINDOW_START: packing, "window_index": window_index,
+                            "pos_in_window": read})
 
   def _document_length(self, index: int) -> int:
     features = self._tokens[index]

@@ -10,40 +10,27 @@ the load metrics; a mode's *own* cost is its count minus none's.
 
 A `while` whose trip count is data-dependent (the in-batch solve of "quantile:current" stops
 once balanced, after at most `balance.quantile_sweeps` sweeps) has no known trip count in the
-HLO; such a loop is counted `sweeps` times here (`while_trips`), the worst case, and the
-result says so (`bounded_by_sweeps`).
+HLO; for that variant such loops are counted `quantile_sweeps` times (`parse_hlo`'s
+`unknown_trip_count`), the worst case, and the result says so (`bounded_by_sweeps`).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import re
 from typing import Any, Callable
 
-import jax
-
-from zaya_jax.config import BalanceConfig, TrainConfig
+from zaya_jax.config import TrainConfig
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.mesh import MeshConfig, make_mesh, use_mesh
 from zaya_jax.perf import hlo
 from zaya_jax.perf.benchmark import parse_balance_variant
 from zaya_jax.perf.mesh_sweep import compile_train_step
 
-_KNOWN_TRIP_RE = re.compile(r'"known_trip_count"')
-
-
-def _unknown_trip_whiles(hlo_text: str) -> int:
-  """Number of `while` instructions without a known trip count."""
-  return sum(1 for line in hlo_text.splitlines()
-             if " while(" in line and not _KNOWN_TRIP_RE.search(line))
-
-
-def count_collectives(hlo_text: str) -> dict[str, Any]:
+def count_collectives(module: hlo.HloModule) -> dict[str, Any]:
   """Collectives of one compiled step: `{"count": executions per step, "bytes": bytes per
   device per step, "by_kind": {kind: executions}, "ops": instructions}` (loops' trip counts
   applied, `zaya_jax.perf.hlo.collective_ops`)."""
-  ops = hlo.collective_ops(hlo_text)
+  ops = hlo.collective_ops(module)
   by_kind = collections.Counter()
   for op in ops:
     by_kind[op.kind] += op.executions
@@ -79,28 +66,15 @@ def balance_collectives(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg
       log(f"compiling the train step with balancing {v} ...")
       text = compile_train_step(model_cfg, train_cfg, mesh, batch_size, seq_len,
                                 balance).as_text()
-      unknown = _unknown_trip_whiles(text)
-      if unknown and v == "quantile:current":
-        text = _with_trip_counts(text, balance.quantile_sweeps)
-      counted = count_collectives(text)
-      counted["bounded_by_sweeps"] = bool(unknown and v == "quantile:current")
+      sweeps = balance.quantile_sweeps if v == "quantile:current" else 1
+      module = hlo.parse_hlo(text, unknown_trip_count=sweeps)
+      counted = count_collectives(module)
+      counted["bounded_by_sweeps"] = bool(module.unknown_trip_whiles and sweeps > 1)
       result[v] = counted
   for v in variants:
     result[v]["extra_count"] = result[v]["count"] - result["none"]["count"]
     result[v]["extra_bytes"] = result[v]["bytes"] - result["none"]["bytes"]
   return {"mesh": dict(mesh.shape), "variants": variants, "result": result}
-
-
-def _with_trip_counts(hlo_text: str, trips: int) -> str:
-  """`hlo_text` with `known_trip_count` = `trips` on every `while` that has none (a bound)."""
-  out = []
-  for line in hlo_text.splitlines():
-    if " while(" in line and not _KNOWN_TRIP_RE.search(line):
-      tag = f'"known_trip_count":{{"n":"{trips}"}}'
-      line = (line.replace("backend_config={", "backend_config={" + tag + ",", 1)
-              if "backend_config={" in line else line + f", backend_config={{{tag}}}")
-    out.append(line)
-  return "\n".join(out)
 
 
 def format_table(r: dict[str, Any], num_layers: int) -> str:
@@ -116,8 +90,3 @@ def format_table(r: dict[str, Any], num_layers: int) -> str:
                  f"{x['extra_bytes'] / 2**20:+.3f} MiB{bound}")
   return "\n".join(lines)
 
-
-def config_for(balance: BalanceConfig) -> dict[str, Any]:
-  """The `balance` fields a variant sets (for the report)."""
-  return {f.name: getattr(balance, f.name) for f in dataclasses.fields(balance)
-          if f.name in ("enabled", "mode", "quantile_apply", "quantile_iters")}

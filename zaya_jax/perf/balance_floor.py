@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from zaya_jax.checkpoint import restore_model_state
@@ -32,14 +31,13 @@ from zaya_jax.config import RunConfig
 from zaya_jax.data import make_train_iterator
 from zaya_jax.model.quantile import histogram_biases, quantile_biases, route_counts
 from zaya_jax.parallel.mesh import abstract_with_shardings, make_mesh, use_mesh
-from zaya_jax.train.balance import get_biases
+from zaya_jax.train.balance import get_biases, load_stats
 from zaya_jax.train.setup import setup_training
 
 
-def worst_max_over_mean(counts_LX: np.ndarray) -> float:
-  """max over layers of (busiest expert's tokens / mean expert tokens), skip class excluded."""
-  experts = np.asarray(counts_LX, np.float64)[:, :-1]
-  return float(np.max(experts.max(-1) / np.maximum(experts.mean(-1), 1e-30)))
+def worst_max_over_mean(counts_LX) -> float:
+  """The worst layer's `balance/max_over_mean` of one routing (`load_stats`)."""
+  return float(jnp.max(load_stats(counts_LX)["max_over_mean"]))
 
 
 def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: int,

@@ -149,15 +149,18 @@ class HloModule:
     shapes: instruction name -> its shape string (names are unique in a module).
     runs: computation name -> times it runs per step (0 if unreachable from ENTRY).
     num_partitions: SPMD partitions of the module (devices of the mesh).
+    unknown_trip_whiles: `while` loops whose trip count was neither known nor read from
+      their condition (counted `unknown_trip_count` times, see `parse_hlo`).
   """
 
   instructions: dict[str, list[tuple[str, str, str, list[str], str]]]
   shapes: dict[str, str]
   runs: dict[str, int]
   num_partitions: int
+  unknown_trip_whiles: int = 0
 
 
-def parse_hlo(hlo_text: str) -> HloModule:
+def parse_hlo(hlo_text: str, unknown_trip_count: int = 1) -> HloModule:
   """Parses HLO text and counts how often each computation runs per step.
 
   The layer scan is an HLO `while`; its body runs once per layer. A computation's count is
@@ -165,7 +168,9 @@ def parse_hlo(hlo_text: str) -> HloModule:
   the compiled module carries `backend_config={"known_trip_count":{"n":"L"}}` on each
   `while`; when that is missing (pre-optimisation HLO from `Lowered.as_text(dialect="hlo")`)
   the trip count is the one scalar integer constant of the loop condition when it compares
-  with `direction=LT`, else 1. Each branch of a `conditional` counts once (an upper bound).
+  with `direction=LT`, else `unknown_trip_count` (1 by default; a data-dependent loop's bound,
+  e.g. the most sweeps of a solve, gives a worst case). Each branch of a `conditional` counts
+  once (an upper bound).
 
   Raises:
     ValueError: if the text has no ENTRY computation.
@@ -194,7 +199,10 @@ def parse_hlo(hlo_text: str) -> HloModule:
   lines = map(_INT_CONSTANT_RE.match, hlo_text.splitlines())
   constants = {m.group(1): int(m.group(2)) for m in lines if m}
 
+  unknown = 0
+
   def trip(attrs: str) -> int:
+    nonlocal unknown
     m = _TRIP_RE.search(attrs)
     if m:
       return int(m.group(1))
@@ -205,7 +213,8 @@ def parse_hlo(hlo_text: str) -> HloModule:
       compares_lt = any(op == "compare" and "direction=LT" in a for _, _, op, _, a in body)
       if len(values) == 1 and compares_lt:
         return values[0]
-    return 1
+    unknown += 1
+    return unknown_trip_count
 
   # Executions per step of each computation, from ENTRY down the call graph (a DAG).
   callees: dict[str, list[tuple[str, int]]] = {c: [] for c in comps}
@@ -234,10 +243,10 @@ def parse_hlo(hlo_text: str) -> HloModule:
       if callee in runs:
         runs[callee] += runs[c] * n
 
-  return HloModule(comps, shapes, runs, num_partitions)
+  return HloModule(comps, shapes, runs, num_partitions, unknown)
 
 
-def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+def collective_ops(hlo_text: str | HloModule) -> list[CollectiveOp]:
   """Every collective of an HLO module, with its bytes per device and executions per step.
 
   Which buffer is counted, per device and per execution (shapes of the instruction and of
@@ -260,12 +269,13 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
   loops' trip counts, read from `known_trip_count` in the compiled module's backend_config).
 
   Args:
-    hlo_text: `Compiled.as_text()` (post-optimisation) or pre-optimisation HLO text.
+    hlo_text: `Compiled.as_text()` (post-optimisation) or pre-optimisation HLO text, or its
+      `parse_hlo` (e.g. parsed with another `unknown_trip_count`).
 
   Returns:
     One `CollectiveOp` per collective instruction, in module order.
   """
-  module = parse_hlo(hlo_text)
+  module = hlo_text if isinstance(hlo_text, HloModule) else parse_hlo(hlo_text)
   ops = []
   for c, instrs in module.instructions.items():
     runs = module.runs[c]
