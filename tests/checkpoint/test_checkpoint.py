@@ -29,6 +29,7 @@ import sys
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -248,3 +249,23 @@ def test_killed_mid_save_keeps_previous_step(tiny, tmp_path):
   assert manager.all_steps() == [2]
   assert sorted(os.listdir(directory)) == ["2"]  # tmp removed; 1 deleted after 2 committed
   manager.close()
+
+
+def test_a_balance_mode_change_restarts_the_controller_state(tiny, tmp_path, caplog):
+  """The controller state's leaves are shared by every balance.mode but mean other things
+  ("pid" integrates load errors, "quantile" bias shifts): resuming in another mode restarts
+  them from zero, with a warning, and keeps the biases; the same mode restores them as saved."""
+  balance = jax.tree.map(lambda x: x + 1, tiny.state.balance)  # every leaf non-zero
+  state = tiny.at_step(1).replace(balance=balance)
+  ckpt = tiny.checkpointer(tmp_path / "checkpoints")
+  ckpt.save(state, tiny.iterator(), tiny.cfg)  # tiny.cfg: balance.mode "quantile"
+  ckpt.wait()
+  same = ckpt.restore_latest(tiny.target, tiny.iterator(), tiny.cfg).state
+  assert_trees_equal(same.balance, balance)
+  pid = dataclasses.replace(tiny.cfg, balance=dataclasses.replace(tiny.cfg.balance, mode="pid"))
+  with caplog.at_level("WARNING"):
+    other = ckpt.restore_latest(tiny.target, tiny.iterator(), pid).state
+  assert "balance.mode changed 'quantile' -> 'pid'" in caplog.text
+  assert_trees_equal(other.balance, jax.tree.map(jnp.zeros_like, balance))
+  assert_trees_equal(other.model_state, state.model_state)  # the biases are kept
+  ckpt.close()

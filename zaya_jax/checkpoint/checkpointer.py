@@ -14,6 +14,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
@@ -298,7 +299,13 @@ class Checkpointer:
             data_iter.saved_seq_len = None
         data_restored = True
 
-    state = type(abstract_state).from_items({name: out[name] for name in targets})
+    restored = {name: out[name] for name in targets}
+    reset = compat.balance_state_reset_reason(saved, config)
+    if reset and "balance" in restored.get("train_meta", {}):
+      logging.warning("checkpoint %s: %s", path, reset)
+      restored["train_meta"] = dict(restored["train_meta"], balance=jax.tree.map(
+          lambda x: jnp.zeros_like(x, device=x.sharding), restored["train_meta"]["balance"]))
+    state = type(abstract_state).from_items(restored)
     return state, data_restored
 
 

@@ -108,6 +108,22 @@ def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any
   return None
 
 
+def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str | None:
+  """Why the saved balancing controller state must restart from zero, or None to keep it.
+
+  The state's leaves are the same in every `balance.mode` (zaya_jax/train/balance.py), but
+  not their meaning: "pid" integrates the load error (token shares), "quantile" with
+  `quantile_integral` the bias shifts (probability units). A mode change on resume therefore
+  restarts the controller state; the biases themselves (model state) are kept.
+  """
+  saved_mode = saved.get("balance", {}).get("mode")
+  if saved_mode is not None and saved_mode != config.balance.mode:
+    return (f"balance.mode changed {saved_mode!r} -> {config.balance.mode!r}: the balancing "
+            "controller's state (integral, last error, AdamW moments) restarts from zero; the "
+            "balancing biases are kept")
+  return None
+
+
 def saved_model_config(saved: dict[str, Any]) -> ModelConfig:
   """The ModelConfig of a saved RunConfig dict (fields unknown to this code are dropped)."""
   names = {f.name for f in dataclasses.fields(ModelConfig)}
