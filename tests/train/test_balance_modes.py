@@ -147,6 +147,63 @@ def test_quantile_balances_a_skewed_router_within_five_steps():
   assert np.median(mom[5:]) < 1.15 and mom[5:].max() < 1.3 and ent[5:].min() > 0.995
 
 
+def test_quantile_integral_adds_the_running_sum_of_the_solved_shifts():
+  """`quantile_integral` ki: b <- b + (1 - ema) d + ki I with I <- I + d (d the full histogram
+  shift), I carried in the controller state's `integral`; a skipped step changes neither."""
+  probs = skewed_probs(jax.random.key(3), n=1024)
+  valid = jnp.ones((1024,), bool)
+  cfg = BalanceConfig(mode="quantile", quantile_integral=0.2)
+  state = B.init_balance_state(L, X)
+  prior = jnp.zeros((L, X)).at[:, :E].set(jnp.linspace(-0.01, 0.01, E))
+  state = dict(state, integral=prior)
+  d = histogram_biases(probs, valid, B0, None) - B0
+  b, st = B.quantile_step(cfg, B0, state, probs, valid)
+  np.testing.assert_allclose(st["integral"], prior + d, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(b, B0 + 0.5 * d + 0.2 * (prior + d), rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(b)[:, -1], -1.0)  # the skip bias stays
+  b, st = B.quantile_step(cfg, B0, state, probs, valid, jnp.bool_(False))
+  np.testing.assert_array_equal(b, B0)
+  np.testing.assert_array_equal(st["integral"], prior)
+  # ki = 0 (no integral) leaves the state alone.
+  _, st = B.quantile_step(BalanceConfig(mode="quantile"), B0, state, probs, valid)
+  np.testing.assert_array_equal(st["integral"], prior)
+
+
+def drifting_share_error(cfg: BalanceConfig, steps: int = 60, drift: float = 0.03,
+                         n: int = N) -> np.ndarray:
+  """Per step, expert 0's share of the expert tokens minus 1/E (layer mean) [steps], when the
+  router's preference for experts 0 and 1 grows by `drift` logits every step (a router that
+  keeps learning against the biases), the biases updated after each step by `cfg`."""
+  valid = jnp.ones((n,), bool)
+  router = jax.random.key(7)
+
+  def body(carry, inputs):
+    b_LX, st = carry
+    t, token_key = inputs
+    probs = skewed_probs(router, n=n, favour=1.0 + drift * t, token_key=token_key)
+    counts = route_counts(probs, valid, b_LX).astype(jnp.float32)
+    share = counts[:, 0] / jnp.sum(counts[:, :E], axis=-1)
+    b_LX, st = B.quantile_step(cfg, b_LX, st, probs, valid)
+    return (b_LX, st), jnp.mean(share) - 1.0 / E
+
+  keys = jax.random.split(jax.random.key(8), steps)
+  _, err = jax.jit(lambda: jax.lax.scan(
+      body, (B0, B.init_balance_state(L, X)), (jnp.arange(steps, dtype=jnp.float32), keys)))()
+  return np.asarray(err)
+
+
+def test_quantile_integral_removes_the_lag_behind_a_drifting_router():
+  """A lagged rule behind a router that drifts at a constant rate: the EMA step alone (a type-1
+  loop) holds a constant overload of the favoured experts; with the integral (type 2) it
+  decays to the sampling noise."""
+  lag = drifting_share_error(BalanceConfig(mode="quantile"))
+  pi = drifting_share_error(BalanceConfig(mode="quantile", quantile_integral=0.15))
+  print(f"expert 0 share error, steps 30-60: EMA alone {lag[30:].mean():+.4f}, "
+        f"with integral {pi[30:].mean():+.4f} (target share {1 / E:.3f})")
+  assert lag[30:].mean() > 0.004  # a persistent overload of the drifting expert
+  assert abs(pi[30:].mean()) < 0.25 * lag[30:].mean()
+
+
 def test_gap_histogram_and_quantile_match_a_numpy_reference():
   """`gap_histogram` bins every valid token's score gap (own score minus the best other
   class's) per layer and class like np.searchsorted; `gap_quantile` returns a shift with the

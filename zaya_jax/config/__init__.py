@@ -203,6 +203,7 @@ class BalanceConfig:
   quantile_sweeps: int = 64  # "quantile": most coordinate sweeps over the classes per solve
   quantile_iters: int = 1  # "quantile" "next": histogram steps per train step (one all-reduce each)
   quantile_step: float = 1.0  # "quantile" "next": fraction of each histogram step taken
+  quantile_integral: float = 0.0  # "quantile" "next": gain on the running sum of the solved shifts (removes the lag behind a drifting router)
   bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp
   skip_target: float | None = None  # target fraction of tokens skipping the experts; None/<0 = off
   router_z_loss: float = 0.0  # coefficient of the router z-loss added to the training loss
@@ -214,7 +215,7 @@ class BalanceConfig:
     if self.mode not in BALANCE_MODES:
       raise ConfigError(f"balance.mode={self.mode!r} must be one of "
                         + ", ".join(f'"{m}"' for m in BALANCE_MODES))
-    for f in ("kp", "ki", "kd", "rate", "bias_clamp", "router_z_loss", "load_balance_loss",
+    for f in ("kp", "ki", "kd", "rate", "bias_clamp", "quantile_integral", "router_z_loss", "load_balance_loss",
               "adamw_lr", "adamw_weight_decay"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:

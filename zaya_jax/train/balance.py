@@ -203,11 +203,16 @@ def quantile_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
   """
   if not cfg.enabled:
     return biases_LX, state
+  new_state = state
   if solved_LX is None:
     solved_LX = histogram_biases(jax.lax.stop_gradient(probs_LMX), valid_M, biases_LX,
                                  cfg.skip_target, cfg.quantile_iters, cfg.quantile_step)
+    if cfg.quantile_integral > 0:  # type-2 loop: the running sum of shifts tracks the drift
+      integral_LX = state["integral"] + (solved_LX - biases_LX)
+      solved_LX = solved_LX + cfg.quantile_integral / (1.0 - cfg.quantile_ema) * integral_LX
+      new_state = dict(state, integral=jnp.where(apply, integral_LX, state["integral"]))
   new_LX = cfg.quantile_ema * biases_LX + (1.0 - cfg.quantile_ema) * solved_LX
-  return jnp.where(apply, clamp_controlled(cfg, new_LX), biases_LX), state
+  return jnp.where(apply, clamp_controlled(cfg, new_LX), biases_LX), new_state
 
 
 def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: BalanceState,
