@@ -10,7 +10,8 @@ max/mean expert load of batch s under
 
   oracle    the exact solve of batch s-1 (the floor: no causal rule does better per step on
             average with the model fixed),
-  histogram the default rule (`histogram_biases`, `balance.quantile_ema`) run over the same
+  histogram the "quantile" rule of the run's config (`quantile_step`: the histogram step,
+            `balance.quantile_ema`, `quantile_integral` from a zero state) run over the same
             frozen batches from the stored biases,
   stored    the checkpoint's stored biases (what evaluation and generation use),
 
@@ -29,9 +30,9 @@ from flax import nnx
 from zaya_jax.checkpoint import restore_model_state
 from zaya_jax.config import RunConfig
 from zaya_jax.data import make_train_iterator
-from zaya_jax.model.quantile import histogram_biases, quantile_biases, route_counts
+from zaya_jax.model.quantile import quantile_biases, route_counts
 from zaya_jax.parallel.mesh import abstract_with_shardings, make_mesh, use_mesh
-from zaya_jax.train.balance import get_biases, load_stats
+from zaya_jax.train.balance import get_biases, init_balance_state, load_stats, quantile_step
 from zaya_jax.train.setup import setup_training
 
 
@@ -70,7 +71,9 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
       return aux["router_probs"], batch["segment_ids"].reshape(-1) > 0
 
     exact = jax.jit(quantile_biases, static_argnums=(3, 4))
-    hist = jax.jit(histogram_biases, static_argnums=(3, 4, 5))
+    # The default rule's update (EMA step and integral), as the training step applies it.
+    rule = jax.jit(lambda b, st, p, v: quantile_step(cfg.balance, b, st, p, v))
+    controller = init_balance_state(*stored_LX.shape)
     counts = jax.jit(route_counts)
     it = make_train_iterator(cfg.data, seq_len=cfg.train.seq_len,
                              batch_size=cfg.train.batch_size, seed=cfg.train.seed)
@@ -87,8 +90,6 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
         out["oracle"].append(worst_max_over_mean(counts(probs, valid, solved)))
         out["histogram"].append(worst_max_over_mean(counts(probs, valid, b_hist)))
         out["stored"].append(worst_max_over_mean(counts(probs, valid, stored_LX)))
-      step_LX = hist(probs, valid, b_hist, bal.skip_target, bal.quantile_iters,
-                     bal.quantile_step)
-      b_hist = bal.quantile_ema * b_hist + (1.0 - bal.quantile_ema) * step_LX
+      b_hist, controller = rule(b_hist, controller, probs, valid)
       prev = (probs, valid)
   return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()}}
