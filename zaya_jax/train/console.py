@@ -164,10 +164,12 @@ def step_line(step: int, num_steps: int, m: dict[str, Any]) -> str:
   return " | ".join(parts)
 
 
-def data_summary(data_cfg: Any, tokens_needed: int, corpora: list | None = None) -> str:
+def data_summary(data_cfg: Any, tokens_needed: int, corpora: list | None = None,
+                 documents: list | None = None) -> str:
   """'stdlib: 1,234 train documents (~20.1M tokens, 0.03 epochs this run), 12 eval documents'.
 
-  Counts come from listing the corpus (no tokenizing); train tokens are known only for the
+  Counts come from listing the corpus (no tokenizing), or from `documents` (the listing the
+  training iterator was built from, not listed again); train tokens are known only for the
   byte tokenizer (one token per UTF-8 byte, + BOS/EOS), from file sizes and .jsonl line
   lengths. `tokens_needed` = steps x tokens per step. Errors of the listing give '?'.
   Prepared corpora: counts from `corpora` (the training iterator's opened sources, not
@@ -175,10 +177,12 @@ def data_summary(data_cfg: Any, tokens_needed: int, corpora: list | None = None)
   """
   if prepared.uses_prepared(data_cfg):
     return _prepared_summary(data_cfg, tokens_needed, corpora)
-  try:
-    refs = sources.list_documents(data_cfg)
-  except (ValueError, OSError):
-    return f"{data_cfg.source}: ?"
+  refs = documents
+  if refs is None:
+    try:
+      refs = sources.list_documents(data_cfg)
+    except (ValueError, OSError):
+      return f"{data_cfg.source}: ?"
   train, held_out = sources.split_documents(refs, data_cfg.eval_fraction)
   text = f"{data_cfg.source}: {len(train):,} train documents"
   if data_cfg.tokenizer == "byte":

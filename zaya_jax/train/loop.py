@@ -41,7 +41,7 @@ from absl import logging
 from zaya_jax.checkpoint import Checkpointer, config_record
 from zaya_jax.config import ConfigError, RunConfig, cli_paths, resolve
 from zaya_jax.logs import quiet_third_party
-from zaya_jax.data import make_eval_sets, make_train_iterator
+from zaya_jax.data import list_documents, make_eval_sets, make_train_iterator, prepared
 from zaya_jax.data.global_iterator import GlobalBatchIterator
 from zaya_jax.model import sizing
 from zaya_jax.parallel import accelerators
@@ -150,9 +150,11 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
 
   local_batch = train.batch_size // jax.process_count()
   try:  # Bad data settings (no files, missing text field, ...) are user errors: one line.
+    # A raw corpus is listed once, here; the training iterator, eval and header reuse it.
+    documents = None if prepared.uses_prepared(cfg.data) else list_documents(cfg.data)
     data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                     seed=train.seed, process_index=jax.process_index(),
-                                    process_count=jax.process_count())
+                                    process_count=jax.process_count(), documents=documents)
     on_exit.callback(_close_data, data_iter)
     # Prepared corpora are opened once, by the training iterator; eval and header reuse them.
     opened = data_iter.corpora if isinstance(data_iter, GlobalBatchIterator) else None
@@ -160,7 +162,8 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
     if train.eval_batches:
       eval_sets = {name: [global_batch(b, data_sharding) for b in batches]
                    for name, batches in make_eval_sets(
-                       cfg.data, corpora=opened, seq_len=train.seq_len, batch_size=local_batch,
+                       cfg.data, corpora=opened, documents=documents, seq_len=train.seq_len,
+                       batch_size=local_batch,
                        max_batches=train.eval_batches, process_index=jax.process_index(),
                        process_count=jax.process_count()).items()}
     eval_batches = [b for batches in eval_sets.values() for b in batches]
@@ -190,7 +193,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
       _close_data(data_iter)
       data_iter = make_train_iterator(cfg.data, seq_len=train.seq_len, batch_size=local_batch,
                                       seed=train.seed + latest, process_index=jax.process_index(),
-                                      process_count=jax.process_count())
+                                      process_count=jax.process_count(), documents=documents)
       on_exit.callback(_close_data, data_iter)
     resumed = extend_schedule(ckpt.saved_config(latest)["train"], train, latest)
     if schedule_horizon(resumed) != schedule_horizon(train):  # rebuilt before its first call
@@ -232,7 +235,7 @@ def _train(cfg: RunConfig, workdir: str, mesh: jax.sharding.Mesh, is_main: bool,
         peak_flops=peak_flops, peak_measured=peak_measured, batch_size=train.batch_size,
         seq_len=train.seq_len,
         data=console.data_summary(cfg.data, train.num_steps * train.batch_size * train.seq_len,
-                                  corpora=opened))
+                                  corpora=opened, documents=documents))
     logging.info("%s", "\n".join(header))
     if train.inject_nan_at_steps:
       logging.warning("train.inject_nan_at_steps=%s: NaN loss and gradients will be injected "
