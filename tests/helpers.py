@@ -7,6 +7,9 @@ Every test module imports from here, never from another test module.
   the same sizes as `launch.train` flags for the CLI tests.
 - `random_model`, `random_batch`: every parameter randomised at realistic scales; a packed
   batch with two documents in one row and padding in the other.
+- `launch_train` / `finish_run` / `run_records`: the training CLI in a subprocess;
+  `launch_devices` / `launch_pair` / `wait_all`: the multi-controller runs (fake CPU devices,
+  two processes on a local coordinator) of test_multiprocess.py and test_global_batches.py.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -197,3 +202,80 @@ def run_records(workdir, kind: str = "train") -> dict[int, dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   return {r["step"]: r for r in rows if r["kind"] == kind}
+
+
+# --- multi-controller runs in subprocesses (tests/train/test_multiprocess.py,
+# tests/data/test_global_batches.py): tiny model, T=32, B=8, mesh data=2 x expert=4 ---
+MULTIPROCESS_T, MULTIPROCESS_B = 32, 8  # tokens per row, rows per global batch
+MULTIPROCESS_TIMEOUT_S = 240  # per run, all processes together
+
+MULTIPROCESS_OVERRIDES = [
+    *MODEL_OVERRIDES,
+    f"--config.train.seq_len={MULTIPROCESS_T}",
+    f"--config.train.batch_size={MULTIPROCESS_B}",
+    "--config.train.num_steps=1000",  # the equality test stops after max_steps_per_run
+    "--config.train.warmup_steps=1",
+    "--config.train.log_every=1",
+    "--config.train.eval_batches=0",
+    "--config.data.eval_fraction=0",
+    # A batch must stay one epoch of the documents (test_multiprocess.py's docstring): raw
+    # text's row shuffle permutes rows across the epochs inside a window, differently for 1
+    # and 2 processes.
+    "--config.data.shuffle_rows=False",
+    "--config.checkpoint.every_steps=0",  # one checkpoint, at the end
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=1",
+    "--config.mesh.expert=4",
+]
+
+
+def launch_devices(workdir, corpus_path, devices, *extra, log=None):
+  """Starts `python -m launch.train` on `corpus_path` with `MULTIPROCESS_OVERRIDES`, then
+  `extra`, and `devices` fake CPU devices; output goes to `log`."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+  cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
+         f"--workdir={workdir}", f"--config.data.source={corpus_path}", *MULTIPROCESS_OVERRIDES,
+         *extra]
+  out = open(log, "w") if log else subprocess.DEVNULL  # a file: a full pipe would stall a peer
+  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def free_port():
+  """A TCP port that was free a moment ago (bound to port 0, then released)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch_pair(workdir, corpus_path, tmp_path, *extra):
+  """Two processes x 4 devices on a fresh local coordinator port."""
+  address = f"127.0.0.1:{free_port()}"
+  return [launch_devices(workdir, corpus_path, 4, f"--coordinator_address={address}",
+                         "--num_processes=2", f"--process_id={i}", *extra,
+                         log=tmp_path / f"proc{i}.log")
+          for i in range(2)]
+
+
+def wait_all(procs, timeout):
+  """Waits for every process until a shared deadline; kills them all if it passes."""
+  deadline = time.monotonic() + timeout
+  try:
+    return [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+      p.wait()
+    raise
+
+
+def tail(tmp_path, name, n=4000):
+  """The last `n` characters of the log file `tmp_path/name`."""
+  return (tmp_path / name).read_text()[-n:]
+
+
+def losses(workdir):
+  """`{step: loss}` of the train records of `workdir/metrics.jsonl`."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}

@@ -1,7 +1,7 @@
 """Training from a prepared directory sees the same global batches on any process count.
 
-The real CLI (`python -m launch.train`, tests/train/test_multiprocess.py's harness) on the tiny
-model, seq_len 32, mesh data=2 expert=4, over a prepared stdlib corpus (any corpus: 300
+The real CLI (`python -m launch.train`, the multi-process harness of tests/helpers.py) on the
+tiny model, seq_len 32, mesh data=2 expert=4, over a prepared stdlib corpus (any corpus: 300
 documents of up to 150 bytes, not built to fit the rows):
   * 1 process x 8 devices, 5 steps (the reference);
   * 2 processes x 4 devices, 3 steps, then the same workdir resumed on 1 process x 8 devices
@@ -19,7 +19,8 @@ import json
 import pytest
 
 from tests.data.prepared_corpus import stdlib_texts, write_prepared
-from tests.train.test_multiprocess import TIMEOUT_S, launch, launch_pair, losses, tail, wait_all
+from tests.helpers import (MULTIPROCESS_TIMEOUT_S, launch_devices, launch_pair, losses, tail,
+                           wait_all)
 
 RTOL = 1e-6
 
@@ -38,22 +39,22 @@ def _close(a, b):
 @pytest.mark.slow
 def test_same_losses_on_any_process_and_worker_count(tmp_path, prepared_dir):
   one, two = tmp_path / "one", tmp_path / "two"
-  codes = wait_all([launch(one, prepared_dir, 8, "--config.train.max_steps_per_run=5",
-                           log=tmp_path / "one.log")], TIMEOUT_S)
+  codes = wait_all([launch_devices(one, prepared_dir, 8, "--config.train.max_steps_per_run=5",
+                                   log=tmp_path / "one.log")], MULTIPROCESS_TIMEOUT_S)
   assert codes == [0], tail(tmp_path, "one.log")
   ref = losses(one)
   assert sorted(ref) == [1, 2, 3, 4, 5]
   assert "train documents" in (tmp_path / "one.log").read_text()
 
   codes = wait_all(launch_pair(two, prepared_dir, tmp_path, "--config.train.max_steps_per_run=3"),
-                   TIMEOUT_S)
+                   MULTIPROCESS_TIMEOUT_S)
   assert codes == [0, 0], (tail(tmp_path, "proc0.log"), tail(tmp_path, "proc1.log"))
   state_file = two / "checkpoints" / "3" / "data_iter" / "process_1-of-2.json"
   state = json.loads(state_file.read_text())
   assert state["format"] == "zaya-global-v1" and state["global_batch"] == 3, state
-  codes = wait_all([launch(two, prepared_dir, 8, "--config.train.max_steps_per_run=2",
-                           "--config.data.num_workers=2", log=tmp_path / "resumed.log")],
-                   TIMEOUT_S)
+  codes = wait_all([launch_devices(two, prepared_dir, 8, "--config.train.max_steps_per_run=2",
+                                   "--config.data.num_workers=2", log=tmp_path / "resumed.log")],
+                   MULTIPROCESS_TIMEOUT_S)
   assert codes == [0], tail(tmp_path, "resumed.log")
   resumed_log = (tmp_path / "resumed.log").read_text()
   assert "data order restarts" not in resumed_log

@@ -247,6 +247,33 @@ def test_train_eval_split_is_disjoint_and_stable(tmp_path):
   assert train_texts == set(texts) - set(eval_texts)
 
 
+def test_a_corpus_listed_once_is_read_as_listed(tmp_path):
+  """`documents=`: the training loop lists a raw corpus once and hands the listing to the
+  train iterator, the eval batches and the console header (issue 24: listed three times at
+  start). Lines appended after the listing are seen only by a reader that lists again."""
+  from zaya_jax.train import console  # pylint: disable=import-outside-toplevel
+
+  path = tmp_path / "a.jsonl"
+  texts = _write_jsonl_corpus(path, 300)
+  cfg = data.DataConfig(source=str(path), eval_fraction=0.2, shuffle_rows=False)
+  refs = sources.list_documents(cfg)
+  train, held_out = sources.split_documents(refs, 0.2)
+  summary = console.data_summary(cfg, 1000)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write("".join(json.dumps({"text": f"appended {i}"}) + "\n" for i in range(100)))
+  assert console.data_summary(cfg, 1000) != summary  # listed again: the appended lines count
+  assert console.data_summary(cfg, 1000, documents=refs) == summary
+  assert f"{len(train):,} train documents" in summary and f"{len(held_out):,} eval" in summary
+
+  [eval_batches] = data.make_eval_sets(cfg, documents=refs, seq_len=64, batch_size=4,
+                                       max_batches=1000).values()
+  eval_texts = _texts(_documents(eval_batches))
+  assert sorted(eval_texts) == sorted(texts[int(r.doc_id.rsplit(":", 1)[1]) - 1]
+                                      for r in held_out)
+  train_it = data.make_train_iterator(cfg, seq_len=64, batch_size=4, seed=0, documents=refs)
+  assert set(_texts(_documents(_take(train_it, 60)))) == set(texts) - set(eval_texts)
+
+
 def test_eval_batches_are_deterministic_and_padded(tmp_path):
   _write_jsonl_corpus(tmp_path / "a.jsonl", 200)
   cfg = data.DataConfig(source=str(tmp_path / "a.jsonl"), eval_fraction=0.1)

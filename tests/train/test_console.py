@@ -116,6 +116,38 @@ def test_header_and_data_summary(tmp_path):
   assert len(lines) <= 6
 
 
+def test_eval_save_end_and_stop_lines():
+  record = {"loss": 3.14159, "tokens": 8192.0,
+            "sources": {"wiki": {"loss": 3.0}, "code": {"loss": 2.5}}}
+  assert console.eval_line(100, record, 23.1407, 1.26) == (
+      "eval step 100 | loss 3.1416 | ppl 23.14 | 8192 tokens | 1.3 s | wiki 3.0000 | code 2.5000")
+  assert console.eval_line(3, {"loss": 4.5, "tokens": 64.0}, float("nan"), 0.04) == (
+      "eval step 3 | loss 4.5000 | ppl nan | 64 tokens | 0.0 s")
+  assert console.saved_line(4, 1.234, False) == "saved checkpoint 4 in 1.23 s"
+  assert console.saved_line(4, 1.234, True) == (
+      "saved checkpoint 4 in 1.23 s (async: the call; writing goes on in the background)")
+
+  ended = lambda **kw: console.run_ended(**{"stop_reason": None, "step": 6, "num_steps": 6,
+                                             "steps_this_run": 6, "max_steps_per_run": 0, **kw})
+  assert ended() == "finished"
+  assert ended(stop_reason="SIGTERM", step=3) == "stopped by SIGTERM"
+  assert ended(steps_this_run=0) == "nothing to train (num_steps reached)"
+  assert ended(step=4, max_steps_per_run=4) == "train.max_steps_per_run=4 reached"
+
+  stop = lambda **kw: console.stop_warning(**{
+      "stop_reason": "SIGTERM", "first_step_stop": False, "step": 3, "num_steps": 6,
+      "checkpoint_step": 3, "checkpoint_dir": "/w/checkpoints", "workdir": "/w", **kw})
+  assert stop(stop_reason=None) is None
+  assert stop() == ("Stopped by SIGTERM at step 3/6; checkpoint 3 is in /w/checkpoints. Rerun "
+                    "the same command to resume.")
+  assert stop(first_step_stop=True, checkpoint_step=2) == (
+      "Stopped by SIGTERM during the first step of this run: nothing was saved; checkpoint 2 in "
+      "/w/checkpoints is unchanged. Rerun the same command to resume.")
+  assert stop(first_step_stop=True, checkpoint_step=None) == (
+      "Stopped by SIGTERM during the first step of this run: nothing was saved; /w holds no "
+      "checkpoint, so the next run starts over (with any config).")
+
+
 def test_write_json_atomic(tmp_path):
   path = str(tmp_path / "config.json")
   console.write_json_atomic(path, {"a": [1, 2]})

@@ -18,37 +18,17 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers import MODEL_OVERRIDES
+from tests.helpers import (MULTIPROCESS_B, MULTIPROCESS_T, MULTIPROCESS_TIMEOUT_S, free_port,
+                           launch_devices, launch_pair, losses, tail, wait_all)
 from zaya_jax.parallel import distributed
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-T, B, STEPS = 32, 8, 4  # tokens per row, rows per global batch, optimizer steps per run
-TIMEOUT_S = 240  # per run, all processes together
-
-OVERRIDES = [
-    *MODEL_OVERRIDES,
-    f"--config.train.seq_len={T}",
-    f"--config.train.batch_size={B}",
-    "--config.train.num_steps=1000",  # the equality test stops after max_steps_per_run=STEPS
-    "--config.train.warmup_steps=1",
-    "--config.train.log_every=1",
-    "--config.train.eval_batches=0",
-    "--config.data.eval_fraction=0",
-    # A batch must stay one epoch of the documents (module docstring): raw text's row shuffle
-    # permutes rows across the epochs inside a window, differently for 1 and 2 processes.
-    "--config.data.shuffle_rows=False",
-    "--config.checkpoint.every_steps=0",  # one checkpoint, at the end
-    "--config.mesh.data=2",
-    "--config.mesh.fsdp=1",
-    "--config.mesh.expert=4",
-]
+# tokens per row, rows per global batch, optimizer steps per run
+T, B, STEPS = MULTIPROCESS_T, MULTIPROCESS_B, 4
+TIMEOUT_S = MULTIPROCESS_TIMEOUT_S  # per run, all processes together
 
 
 @pytest.fixture(scope="module")
@@ -61,58 +41,12 @@ def corpus(tmp_path_factory):
   return path
 
 
-def launch(workdir, corpus_path, devices, *extra, log=None):
-  """Starts `python -m launch.train` with `devices` fake CPU devices; output goes to `log`."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
-  cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
-         f"--workdir={workdir}", f"--config.data.source={corpus_path}", *OVERRIDES, *extra]
-  out = open(log, "w") if log else subprocess.DEVNULL  # a file: a full pipe would stall a peer
-  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-
-
-def free_port():
-  """A TCP port that was free a moment ago (bound to port 0, then released)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def launch_pair(workdir, corpus_path, tmp_path, *extra):
-  """Two processes x 4 devices on a fresh local coordinator port."""
-  address = f"127.0.0.1:{free_port()}"
-  return [launch(workdir, corpus_path, 4, f"--coordinator_address={address}",
-                 "--num_processes=2", f"--process_id={i}", *extra, log=tmp_path / f"proc{i}.log")
-          for i in range(2)]
-
-
-def wait_all(procs, timeout):
-  """Waits for every process until a shared deadline; kills them all if it passes."""
-  deadline = time.monotonic() + timeout
-  try:
-    return [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-      p.wait()
-    raise
-
-
-def tail(tmp_path, name, n=4000):
-  return (tmp_path / name).read_text()[-n:]
-
-
-def losses(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {r["step"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}
-
-
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path, corpus):
   one, two = tmp_path / "one", tmp_path / "two"
   limit = f"--config.train.max_steps_per_run={STEPS}"
-  codes = wait_all([launch(one, corpus, 8, limit, log=tmp_path / "single.log")], TIMEOUT_S)
+  codes = wait_all([launch_devices(one, corpus, 8, limit, log=tmp_path / "single.log")],
+                   TIMEOUT_S)
   assert codes == [0], tail(tmp_path, "single.log")
 
   procs = launch_pair(two, corpus, tmp_path, limit)
@@ -192,9 +126,9 @@ def test_stopped_peer_trips_the_watchdog(tmp_path, corpus):
 @pytest.mark.slow
 def test_missing_peer_fails_initialization(tmp_path, corpus):
   address = f"127.0.0.1:{free_port()}"
-  proc = launch(tmp_path / "run", corpus, 4, f"--coordinator_address={address}",
-                "--num_processes=2", "--process_id=0", "--initialization_timeout=5",
-                log=tmp_path / "proc0.log")
+  proc = launch_devices(tmp_path / "run", corpus, 4, f"--coordinator_address={address}",
+                        "--num_processes=2", "--process_id=0", "--initialization_timeout=5",
+                        log=tmp_path / "proc0.log")
   code = wait_all([proc], 90)
   assert code != 0, tail(tmp_path, "proc0.log")
 

@@ -16,7 +16,8 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from zaya_jax.data import DataConfig, load_tokenizer, prepared
+from zaya_jax.data import DataConfig
+from zaya_jax.data.tokenizer import SPECIAL_IDS, tokenizer_mismatch
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.config.mesh import MeshConfig
 
@@ -395,33 +396,19 @@ def synthetic_configs(config: ml_collections.ConfigDict
 
 def _check_tokenizer(model: ModelConfig, data: DataConfig) -> None:
   """The model's vocabulary and special ids must agree with the tokenizer's (for prepared
-  corpora: the tokenizer recorded in their manifests)."""
-  if prepared.uses_prepared(data):
-    try:
-      problem = prepared.tokenizer_mismatch(data, model.vocab_size, {
-          f: getattr(model, f) for f in ("pad_token_id", "bos_token_id", "eos_token_id")})
-    except ValueError as e:
-      raise ConfigError(str(e)) from e
-    if problem:
-      raise ConfigError(problem)
-    return
+  corpora: the tokenizer recorded in their manifests): `data.tokenizer.tokenizer_mismatch`.
+
+  Raises:
+    ConfigError: its one-line message (the model field and the fix), or the tokenizer or a
+      manifest cannot be read.
+  """
   try:
-    tok = load_tokenizer(data)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"data.tokenizer={data.tokenizer!r} cannot be loaded: {e}") from e
-  if model.vocab_size < tok.vocab_size:
-    need = -(-tok.vocab_size // 64) * 64
-    raise ConfigError(
-        f"model.vocab_size={model.vocab_size} < tokenizer vocab {tok.vocab_size} "
-        f"(data.tokenizer={data.tokenizer!r}); set --config.model.vocab_size={need} "
-        "(the tokenizer's size rounded up to a multiple of 64)")
-  for field, tok_attr in (("pad_token_id", "pad_id"), ("bos_token_id", "bos_id"),
-                          ("eos_token_id", "eos_id")):
-    want = getattr(tok, tok_attr, None)
-    if want is not None and getattr(model, field) != want:
-      raise ConfigError(
-          f"model.{field}={getattr(model, field)} but the tokenizer's {tok_attr} is {want} "
-          f"(data.tokenizer={data.tokenizer!r}); set --config.model.{field}={want}")
+    problem = tokenizer_mismatch(data, model.vocab_size,
+                                 {f: getattr(model, f) for f, _ in SPECIAL_IDS})
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  if problem:
+    raise ConfigError(problem)
 
 
 def _is_number(v) -> bool:

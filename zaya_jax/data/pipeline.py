@@ -251,12 +251,15 @@ def empty_split_message(cfg: DataConfig, split: str, num_documents: int) -> str:
 
 
 def _split_for_process(
-    cfg: DataConfig, *, split: str, process_index: int, process_count: int
+    cfg: DataConfig, *, split: str, process_index: int, process_count: int,
+    documents: list[sources.DocumentRef] | None = None,
 ) -> list[sources.DocumentRef]:
-  """This process's documents of one split: refs[process_index::process_count]."""
+  """This process's documents of one split: refs[process_index::process_count], of
+  `documents` (`sources.list_documents(cfg)`, listed here if None)."""
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
-  documents = sources.list_documents(cfg)
+  if documents is None:
+    documents = sources.list_documents(cfg)
   train, held_out = sources.split_documents(documents, cfg.eval_fraction)
   refs = train if split == "train" else held_out
   if not refs:
@@ -309,6 +312,7 @@ def make_train_iterator(
     seed: int,
     process_index: int = 0,
     process_count: int = 1,
+    documents: list[sources.DocumentRef] | None = None,
 ) -> grain.DatasetIterator:
   """Infinite, deterministic, checkpointable iterator over packed training batches.
 
@@ -320,6 +324,8 @@ def make_train_iterator(
     process_index, process_count: this process reads only the train documents
       [process_index::process_count] (in corpus order, before shuffling), so processes see
       disjoint documents.
+    documents: the corpus as `sources.list_documents(cfg)` lists it, for a caller that has
+      listed it already (None: listed here); unused for prepared directories.
 
   Returns:
     A `PackedIterator` yielding dicts of [B, T] numpy arrays (module docstring).
@@ -341,9 +347,8 @@ def make_train_iterator(
         cfg, seq_len=seq_len, batch_size=batch_size, seed=seed, process_index=process_index,
         process_count=process_count)
   tokenizer = load_tokenizer(cfg)
-  refs = _split_for_process(
-      cfg, split="train", process_index=process_index, process_count=process_count
-  )
+  refs = _split_for_process(cfg, split="train", process_index=process_index,
+                            process_count=process_count, documents=documents)
   shuffle_seed = int(np.random.SeedSequence([cfg.shuffle_seed, seed]).generate_state(1)[0])
   documents = (
       grain.MapDataset.source(sources.DocumentSource(refs, cfg.text_field))
@@ -378,6 +383,7 @@ def make_eval_batches(
     process_index: int = 0,
     process_count: int = 1,
     corpora: list | None = None,
+    documents: list[sources.DocumentRef] | None = None,
 ) -> list[dict[str, np.ndarray]]:
   """The first `max_batches` batches of the held-out split, unshuffled, read in-process.
 
@@ -391,7 +397,8 @@ def make_eval_batches(
 
   A prepared directory: `zaya_jax.data.global_iterator.make_global_eval_batches` (global
   batches, this process's slice: the same count on every process), from `corpora` when given
-  (the training iterator's opened sources).
+  (the training iterator's opened sources). Raw text: from `documents` when given (the corpus
+  as `sources.list_documents(cfg)` lists it; None: listed here).
 
   Raises:
     ValueError: naming data.eval_fraction if the eval split is empty.
@@ -403,9 +410,8 @@ def make_eval_batches(
   if max_batches < 1:
     raise ValueError(f"max_batches={max_batches} must be >= 1.")
   tokenizer = load_tokenizer(cfg)
-  refs = _split_for_process(
-      cfg, split="eval", process_index=process_index, process_count=process_count
-  )
+  refs = _split_for_process(cfg, split="eval", process_index=process_index,
+                            process_count=process_count, documents=documents)
   documents = grain.MapDataset.source(sources.DocumentSource(refs, cfg.text_field))
   batches = []
   for batch in _packed_batches(
@@ -419,6 +425,7 @@ def make_eval_batches(
 
 
 def make_eval_sets(cfg: DataConfig, corpora: list | None = None,
+                   documents: list[sources.DocumentRef] | None = None,
                    **kwargs) -> dict[str, list[dict[str, np.ndarray]]]:
   """The eval batches per source: {"": `make_eval_batches(cfg, ...)`} for one corpus; for
   `data.mixture`, {name: that source's first `max_batches` eval batches} with name = the
@@ -426,13 +433,14 @@ def make_eval_sets(cfg: DataConfig, corpora: list | None = None,
   is reported on its own (a mixture's weights do not mix the eval split).
 
   Args: as `make_eval_batches` (keyword arguments); `corpora`: the training iterator's opened
-    sources, one per mixture entry in order (None: open them).
+    sources, one per mixture entry in order (None: open them); `documents`: the listed raw
+    corpus (None: list it).
 
   Raises:
     ValueError: as `make_eval_batches`, naming the source whose eval split is empty.
   """
   if not cfg.mixture.strip():
-    return {"": make_eval_batches(cfg, corpora=corpora, **kwargs)}
+    return {"": make_eval_batches(cfg, corpora=corpora, documents=documents, **kwargs)}
   paths = [path for path, _ in parse_mixture(cfg.mixture)]
   names = [os.path.basename(os.path.normpath(p)) for p in paths]
   out = {}

@@ -2,7 +2,8 @@
 
 Both follow the `Tokenizer` protocol. `encode` never adds special tokens: the pipeline adds
 bos/eos itself (per `DataConfig.add_bos` / `add_eos`), whatever the tokenizer's own
-post-processor would do.
+post-processor would do. `tokenizer_mismatch` checks a model's vocabulary and special ids
+against the tokenizer of the data (for prepared corpora: the one in their manifests).
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ from typing import Protocol
 import tokenizers
 
 from zaya_jax.data.config import DataConfig
+from zaya_jax.data.manifest import ManifestError, is_prepared_dir, read_manifest
+from zaya_jax.data.mixture import parse_mixture
+from zaya_jax.data.prepared import uses_prepared
 
 # Special-token spellings tried in order. Gemma (ZAYA1's tokenizer) comes first; the rest
 # cover Llama/SentencePiece, GPT-2/Qwen and BERT-style vocabularies.
 _PAD_TOKENS = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|finetune_right_pad_id|>")
 _BOS_TOKENS = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
 _EOS_TOKENS = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "[SEP]")
+
+# model field -> the tokenizer's attribute (`Tokenizer`, manifest `TokenizerInfo`)
+SPECIAL_IDS = (("pad_token_id", "pad_id"), ("bos_token_id", "bos_id"), ("eos_token_id", "eos_id"))
 
 
 class Tokenizer(Protocol):
@@ -149,3 +156,72 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
   if cfg.tokenizer == "byte":
     return ByteTokenizer()
   return HFTokenizer(cfg.tokenizer)
+
+
+def tokenizer_mismatch(cfg: DataConfig, vocab_size: int, special_ids: dict[str, int]) -> str | None:
+  """Why a model cannot train on the tokens of `cfg`, or None if it can.
+
+  The model's vocabulary must hold the tokenizer's (model.vocab_size >= its vocab_size) and
+  its special ids must be the tokenizer's: the tokenizer named by data.tokenizer, or for
+  prepared corpora (`uses_prepared(cfg)`) the one recorded in each manifest.
+
+  Args:
+    cfg: the DataConfig.
+    vocab_size: model.vocab_size.
+    special_ids: {"pad_token_id": .., "bos_token_id": .., "eos_token_id": ..} of the model.
+
+  Returns:
+    One line naming the model field, the tokenizer (data.tokenizer, or the data.source /
+    data.mixture corpus) and the fix; None if they agree.
+
+  Raises:
+    ValueError: naming data.tokenizer if it cannot be loaded; ManifestError (a ValueError)
+      naming data.source / data.mixture if a manifest cannot be read.
+  """
+  if not uses_prepared(cfg):
+    try:
+      tok = load_tokenizer(cfg)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"data.tokenizer={cfg.tokenizer!r} cannot be loaded: {e}") from e
+    where = f"data.tokenizer={cfg.tokenizer!r}"
+    return _model_mismatch(tok, vocab_size, special_ids, (
+        "model.vocab_size={have} < tokenizer vocab {vocab} ({where}); set "
+        "--config.model.vocab_size={need} (the tokenizer's size rounded up to a multiple of 64)"),
+        "model.{field}={have} but the tokenizer's {attr} is {want} ({where}); set "
+        "--config.model.{field}={want}", where)
+  if cfg.mixture.strip():
+    paths, field = [p for p, _ in parse_mixture(cfg.mixture)], "data.mixture"
+  else:
+    paths, field = [cfg.source], "data.source"
+  for path in paths:
+    if os.path.isdir(path) and not is_prepared_dir(path):
+      return None  # opening it names the missing manifest (PreparedCorpus)
+    try:
+      tok = read_manifest(path).tokenizer
+    except ManifestError as e:
+      raise ManifestError(f"{field}={path!r}: {e}") from e
+    problem = _model_mismatch(tok, vocab_size, special_ids, (
+        "model.vocab_size={have} < the vocab {vocab} of its tokenizer ({where}); set "
+        "--config.model.vocab_size={need}"),
+        "model.{field}={have} but the {attr} of its tokenizer is {want} ({where}); set "
+        "--config.model.{field}={want}",
+        f"{field}={path!r} was prepared with tokenizer {tok.name!r}")
+    if problem:
+      return problem
+  return None
+
+
+def _model_mismatch(tok, vocab_size: int, special_ids: dict[str, int], vocab_message: str,
+                    id_message: str, where: str) -> str | None:
+  """The first disagreement of the model with `tok` (vocab_size, then pad, bos, eos ids), as
+  `vocab_message` / `id_message` filled in; None if none. The fix for the vocabulary is the
+  tokenizer's size rounded up to a multiple of 64."""
+  if vocab_size < tok.vocab_size:
+    return vocab_message.format(have=vocab_size, vocab=tok.vocab_size, where=where,
+                                need=-(-tok.vocab_size // 64) * 64)
+  for field, attr in SPECIAL_IDS:
+    want = getattr(tok, attr)
+    if special_ids[field] != want:
+      return id_message.format(field=field, have=special_ids[field], attr=attr, want=want,
+                               where=where)
+  return None

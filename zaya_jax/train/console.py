@@ -4,7 +4,8 @@
   the log step, so the host never waits on a step it just dispatched), and their wall time
   with evaluation and checkpoint time excluded (`with window.excluded(): ...`).
 - `throughput`: step time, tokens/s (total and per device), MFU and ETA of one window.
-- `header_lines`, `step_line`, `summary_lines`: the console text.
+- `header_lines`, `step_line`, `eval_line`, `saved_line`, `summary_lines`, `stop_warning`:
+  the console text; `run_ended`: how the run ended (the summary's first line and record).
 - `data_summary`: documents of each split and (byte tokenizer) tokens of the train split.
 - `write_json_atomic`: WORKDIR/config.json, replaced in one rename.
 
@@ -164,10 +165,27 @@ def step_line(step: int, num_steps: int, m: dict[str, Any]) -> str:
   return " | ".join(parts)
 
 
-def data_summary(data_cfg: Any, tokens_needed: int, corpora: list | None = None) -> str:
+def eval_line(step: int, record: dict[str, Any], perplexity: float, seconds: float) -> str:
+  """'eval step 100 | loss 3.2500 | ppl 25.79 | 8192 tokens | 1.5 s | wiki 3.1000 | ...' of an
+  eval record (a mixture: one part per source's loss)."""
+  return "eval step %d | loss %.4f | ppl %.2f | %d tokens | %.1f s%s" % (
+      step, record["loss"], perplexity, record["tokens"], seconds,
+      "".join(f" | {name} {r['loss']:.4f}" for name, r in record.get("sources", {}).items()))
+
+
+def saved_line(step: int, seconds: float, async_save: bool) -> str:
+  """'saved checkpoint 100 in 1.23 s' (+ that an async save goes on in the background)."""
+  return "saved checkpoint %d in %.2f s%s" % (
+      step, seconds, " (async: the call; writing goes on in the background)" if async_save
+      else "")
+
+
+def data_summary(data_cfg: Any, tokens_needed: int, corpora: list | None = None,
+                 documents: list | None = None) -> str:
   """'stdlib: 1,234 train documents (~20.1M tokens, 0.03 epochs this run), 12 eval documents'.
 
-  Counts come from listing the corpus (no tokenizing); train tokens are known only for the
+  Counts come from listing the corpus (no tokenizing), or from `documents` (the listing the
+  training iterator was built from, not listed again); train tokens are known only for the
   byte tokenizer (one token per UTF-8 byte, + BOS/EOS), from file sizes and .jsonl line
   lengths. `tokens_needed` = steps x tokens per step. Errors of the listing give '?'.
   Prepared corpora: counts from `corpora` (the training iterator's opened sources, not
@@ -175,10 +193,12 @@ def data_summary(data_cfg: Any, tokens_needed: int, corpora: list | None = None)
   """
   if prepared.uses_prepared(data_cfg):
     return _prepared_summary(data_cfg, tokens_needed, corpora)
-  try:
-    refs = sources.list_documents(data_cfg)
-  except (ValueError, OSError):
-    return f"{data_cfg.source}: ?"
+  refs = documents
+  if refs is None:
+    try:
+      refs = sources.list_documents(data_cfg)
+    except (ValueError, OSError):
+      return f"{data_cfg.source}: ?"
   train, held_out = sources.split_documents(refs, data_cfg.eval_fraction)
   text = f"{data_cfg.source}: {len(train):,} train documents"
   if data_cfg.tokenizer == "byte":
@@ -273,6 +293,32 @@ def summary_lines(*, ended: str, steps_this_run: int, times: dict[str, float],
       f"  metrics {metrics_path}; tensorboard {tensorboard_dir or '-'}",
   ]
   return lines
+
+
+def run_ended(*, stop_reason: str | None, step: int, num_steps: int, steps_this_run: int,
+              max_steps_per_run: int) -> str:
+  """How the run ended: 'stopped by SIGTERM' | 'finished' | 'nothing to train (num_steps
+  reached)' | 'train.max_steps_per_run=N reached' (the summary record's `ended`)."""
+  if stop_reason:
+    return f"stopped by {stop_reason}"
+  if step >= num_steps:
+    return "finished" if steps_this_run else "nothing to train (num_steps reached)"
+  return f"train.max_steps_per_run={max_steps_per_run} reached"
+
+
+def stop_warning(*, stop_reason: str | None, first_step_stop: bool, step: int, num_steps: int,
+                 checkpoint_step: int | None, checkpoint_dir: str, workdir: str) -> str | None:
+  """After a stop signal: what was saved and how to resume; None if no signal stopped the
+  run. `first_step_stop`: it came during this run's first step, so nothing was saved."""
+  if first_step_stop:
+    return "Stopped by %s during the first step of this run: nothing was saved; %s" % (
+        stop_reason, f"checkpoint {checkpoint_step} in {checkpoint_dir} is unchanged. Rerun "
+        "the same command to resume." if checkpoint_step is not None else
+        f"{workdir} holds no checkpoint, so the next run starts over (with any config).")
+  if stop_reason:
+    return ("Stopped by %s at step %d/%d; checkpoint %d is in %s. Rerun the same command to "
+            "resume." % (stop_reason, step, num_steps, checkpoint_step, checkpoint_dir))
+  return None
 
 
 def memory_analysis(compiled) -> str:
