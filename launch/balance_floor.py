@@ -4,7 +4,8 @@
 
 Reads the run's checkpoint and its own training batches, and prints the median worst-layer
 max/mean expert load per step under the exact solve of the previous batch (the "oracle"
-floor), the default histogram rule run over the same frozen batches, and the stored biases.
+floor), the default histogram rule run over the same frozen batches, and the stored biases;
+and the share of routings the rule's update moves to another class per batch (churn).
 Logic: `zaya_jax.perf.balance_floor`.
 """
 
@@ -39,7 +40,9 @@ def main(argv):
     sys.exit(f"launch.balance_floor: {str(e).splitlines()[0]}")
   print(f"{ckpt_dir}/{step}, {_BATCHES.value} training batches: median worst-layer max/mean "
         f"per step: oracle (exact solve of the previous batch) {r['median_oracle']:.3f} | "
-        f"histogram rule {r['median_histogram']:.3f} | stored biases {r['median_stored']:.3f}")
+        f"histogram rule {r['median_histogram']:.3f} | stored biases {r['median_stored']:.3f}; "
+        f"the rule's update moves {100 * r['median_churn']:.2f}% of a batch's (token, layer) "
+        "routings to another class (median)")
   if _OUT.value:
     with open(_OUT.value, "w", encoding="utf-8") as f:
       json.dump(r, f)

@@ -216,8 +216,8 @@ class BalanceConfig:
     if self.mode not in BALANCE_MODES:
       raise ConfigError(f"balance.mode={self.mode!r} must be one of "
                         + ", ".join(f'"{m}"' for m in BALANCE_MODES))
-    for f in ("kp", "ki", "kd", "rate", "bias_clamp", "quantile_integral", "router_z_loss", "load_balance_loss",
-              "adamw_lr", "adamw_weight_decay"):
+    for f in ("kp", "ki", "kd", "rate", "bias_clamp", "quantile_integral", "router_z_loss",
+              "load_balance_loss", "adamw_lr", "adamw_weight_decay"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
         raise ConfigError(f"balance.{f}={v!r} must be a number >= 0")

@@ -52,7 +52,9 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
       skipping `start_batch`).
 
   Returns:
-    {"oracle": [S-1], "histogram": [S-1], "stored": [S-1], and "median_<name>" of each}.
+    {"oracle": [S-1], "histogram": [S-1], "stored": [S-1], and "median_<name>" of each;
+    "churn" [S] and "median_churn": per batch, the fraction of its (token, layer) pairs that
+    the histogram rule's update after it moves to another class, the model fixed}.
   """
   if num_batches < 2:
     raise ValueError(f"num_batches={num_batches} must be >= 2")
@@ -81,6 +83,8 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
       next(it)
     bal = cfg.balance
     out: dict[str, list[float]] = {"oracle": [], "histogram": [], "stored": []}
+    churn: list[float] = []
+    moved = _moved_fraction
     prev = None
     b_hist = stored_LX
     for _ in range(num_batches):
@@ -90,6 +94,18 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
         out["oracle"].append(worst_max_over_mean(counts(probs, valid, solved)))
         out["histogram"].append(worst_max_over_mean(counts(probs, valid, b_hist)))
         out["stored"].append(worst_max_over_mean(counts(probs, valid, stored_LX)))
-      b_hist, controller = rule(b_hist, controller, probs, valid)
-      prev = (probs, valid)
-  return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()}}
+      b_next, controller = rule(b_hist, controller, probs, valid)
+      # Tokens of this batch that the rule's next biases send to another class (model fixed).
+      churn.append(float(moved(probs, valid, b_hist, b_next)))
+      b_hist, prev = b_next, (probs, valid)
+  return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()},
+          "churn": churn, "median_churn": statistics.median(churn)}
+
+
+@jax.jit
+def _moved_fraction(probs_LMX, valid_M, before_LX, after_LX):
+  """float32 []: the fraction of valid (token, layer) pairs whose class `argmax(p + b)`
+  differs between the biases `before` and `after`."""
+  cls = lambda b_LX: jnp.argmax(probs_LMX + b_LX[:, None, :], axis=-1)
+  changed_LM = (cls(before_LX) != cls(after_LX)) & valid_M[None, :]
+  return jnp.sum(changed_LM) / jnp.maximum(jnp.sum(valid_M) * probs_LMX.shape[0], 1)

@@ -12,7 +12,12 @@ balancing; ZAYA1-8B report §II-A.2). Four rules (`balance.mode`):
               step's batch, read from one all-reduced histogram [L, X, 162]
               (`zaya_jax.model.quantile.histogram_biases`; `quantile_iters` such steps, each
               `quantile_step` of the way), mixed by the EMA `b <- ema * b + (1 - ema) *
-              solved`; the next steps are routed with the result, so the rule is causal.
+              solved`, plus `quantile_integral` ki times the running sum I of the solved
+              shifts d = solved - b (I <- I + d, in the controller state's `integral`):
+              b <- b + (1 - ema) d + ki I. The EMA step alone lags a router that keeps
+              drifting against the biases by a constant share; the integral (a type-2
+              loop) removes that lag. The next steps are routed with the result, so the
+              rule is causal.
               With `quantile_apply="current"` (opt-in, not causal) each layer solves exact
               biases from the batch it routes and routes that batch with them (even to a
               token every step, ~35 sequential all-reduces per class and sweep); the stored
@@ -185,17 +190,18 @@ def controller_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceStat
 def quantile_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
                   probs_LMX: jax.Array, valid_M: jax.Array, apply: jax.Array | bool = True,
                   solved_LX: jax.Array | None = None) -> tuple[jax.Array, BalanceState]:
-  """One "quantile" update: `(biases for the next step [L, X], state)` (state unchanged).
+  """One "quantile" update: `(biases for the next step [L, X], state)`.
 
   With `quantile_apply="current"` the model already solved the biases while routing this
   batch (`solved_LX`, `zaya_jax.model.quantile.BatchBalance`); they are stored (with the EMA)
   for evaluation, export and the next step's warm start.
 
   Args:
-    cfg: the `balance` config group (`quantile_ema`, `quantile_sweeps`, `skip_target`,
-      `bias_clamp`).
+    cfg: the `balance` config group (`quantile_ema`, `quantile_integral`, `quantile_iters`,
+      `quantile_step`, `skip_target`, `bias_clamp`).
     biases_LX: float32 current balancing biases (skip class last): the solve's warm start.
-    state: controller state (passed through).
+    state: controller state; with `quantile_apply="next"` and `quantile_integral` > 0 its
+      `integral` [L, X] accumulates the solved shifts (probability units), else passed through.
     probs_LMX: float32 router softmax of every token of this step's global batch, per layer.
     valid_M: bool, True for non-padding tokens.
     apply: bool []; where false (a skipped, non-finite step) the biases stay as they are.
