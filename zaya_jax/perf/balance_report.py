@@ -4,8 +4,12 @@ For each workdir (a `launch.train` run logged with `train.log_every=1`, so every
 record) one row: per layer, the median and the worst per-step max/mean expert load over a
 window of steps (default 200-400); the normalised load entropy H(p)/ln E at given steps
 (min over layers, with the worst layer); the mean skip rate and router entropy over the
-window; the mean train loss over the window's last 10 steps and the last eval loss. Figures
-are per step (each step's own routing counts), never averaged over steps before the ratio.
+window; the mean train loss over the window's last 10 steps and the last eval loss. Those
+figures are per step (each step's own routing counts), never averaged over steps before the
+ratio. Windowed figures (issue 22's measure of a lagged rule, whose per-step load carries the
+batch-to-batch noise): the expert loads summed over consecutive blocks of `window` steps,
+then the worst layer's max/mean and the lowest layer's normalised entropy per block, and
+their medians over the blocks.
 """
 
 from __future__ import annotations
@@ -23,14 +27,40 @@ def _per_layer(rows: list[dict[str, Any]], key: str) -> np.ndarray:
   return np.asarray([r[key] for r in rows], np.float64)
 
 
+def windowed(loads_SLX: np.ndarray, window: int) -> tuple[float, float]:
+  """(median worst-layer max/mean, median lowest-layer H/ln E) of the expert loads summed
+  over consecutive blocks of `window` steps (a last partial block is dropped).
+
+  Args:
+    loads_SLX: per step, layer and class the routed tokens (`expert_load`; the skip class
+      last, left out).
+    window: steps per block, >= 1.
+
+  Raises:
+    ValueError: fewer than `window` steps.
+  """
+  experts_SLE = np.asarray(loads_SLX, np.float64)[..., :-1]
+  blocks = experts_SLE.shape[0] // window
+  if blocks < 1:
+    raise ValueError(f"{experts_SLE.shape[0]} steps < one window of {window}")
+  summed_BLE = experts_SLE[:blocks * window].reshape(blocks, window, *experts_SLE.shape[1:]).sum(1)
+  mom_BL = summed_BLE.max(-1) / np.maximum(summed_BLE.mean(-1), 1e-30)
+  q_BLE = summed_BLE / np.maximum(summed_BLE.sum(-1, keepdims=True), 1e-30)
+  ent_BL = -np.sum(np.where(q_BLE > 0, q_BLE * np.log(np.where(q_BLE > 0, q_BLE, 1.0)), 0.0),
+                   -1) / np.log(summed_BLE.shape[-1])
+  return float(np.median(mom_BL.max(-1))), float(np.median(ent_BL.min(-1)))
+
+
 def summarize(workdir: str, first: int = 200, last: int = 400,
-              entropy_steps: Sequence[int] = (100, 200, 400)) -> dict[str, Any]:
+              entropy_steps: Sequence[int] = (100, 200, 400),
+              window_steps: int = 16) -> dict[str, Any]:
   """The balance figures of one run (module docstring).
 
   Args:
     workdir: a launch.train workdir with metrics.jsonl.
     first, last: the window of steps (inclusive) for the per-step statistics.
     entropy_steps: steps at which the normalised load entropy is reported.
+    window_steps: steps per block of the windowed figures (`windowed`).
 
   Returns:
     A dict: `run` (the workdir's name), `steps` (train records in the window),
@@ -39,7 +69,9 @@ def summarize(workdir: str, first: int = 200, last: int = 400,
     `entropy_median` (median over the window of the min-over-layers entropy),
     `skip_rate`, `router_entropy` (window means, averaged over layers), `train_loss`
     (mean over the window's last 10 records), `eval_loss` (the last eval record's; None
-    without one).
+    without one), `per_step_worst_median` (median over the window of the worst layer's
+    max/mean), `window_max_over_mean` and `window_entropy` (`windowed`; None when the
+    window has fewer than `window_steps` steps or no `expert_load`).
 
   Raises:
     FileNotFoundError: no metrics.jsonl; ValueError: no train record with the balance
@@ -63,6 +95,9 @@ def summarize(workdir: str, first: int = 200, last: int = 400,
       entropy[step] = (float(ent.min()), int(ent.argmin()))
   has_entropy = all(r.get("balance/load_entropy") is not None for r in window)
   evals = [r for r in records if r.get("kind") == "eval"]
+  win_mom = win_ent = None
+  if len(window) >= window_steps and all(r.get("expert_load") is not None for r in window):
+    win_mom, win_ent = windowed(np.asarray([r["expert_load"] for r in window]), window_steps)
   return {
       "run": os.path.basename(os.path.normpath(workdir)),
       "steps": len(window),
@@ -75,6 +110,9 @@ def summarize(workdir: str, first: int = 200, last: int = 400,
       "router_entropy": float(_per_layer(window, "router/entropy").mean()),
       "train_loss": float(np.mean([r["loss"] for r in window[-10:]])),
       "eval_loss": float(evals[-1]["loss"]) if evals else None,
+      "per_step_worst_median": float(np.median(mom.max(axis=1))),
+      "window_max_over_mean": win_mom,
+      "window_entropy": win_ent,
   }
 
 
@@ -84,8 +122,9 @@ def markdown_table(rows: list[dict[str, Any]], first: int = 200, last: int = 400
   fmt = lambda v: " ".join(f"{x:.2f}" for x in v)
   head = (f"| run | max/mean median per layer, steps {first}-{last} | worst per layer | "
           + " | ".join(f"H/ln E @{s} (min layer)" for s in steps)
-          + " | median min-layer H/ln E | skip rate | router entropy (nats) | train loss | "
-          "eval loss |")
+          + " | median min-layer H/ln E | worst-layer max/mean per step (median) | window "
+          "max/mean (median) | window min-layer H/ln E (median) | skip rate | router entropy "
+          "(nats) | train loss | eval loss |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     ent = ["-" if r["entropy_at"][s] is None else
@@ -93,6 +132,9 @@ def markdown_table(rows: list[dict[str, Any]], first: int = 200, last: int = 400
     lines.append(
         f"| {r['run']} | {fmt(r['median_L'])} | {fmt(r['worst_L'])} | " + " | ".join(ent)
         + f" | {'-' if r['entropy_median'] is None else format(r['entropy_median'], '.3f')}"
+        f" | {r['per_step_worst_median']:.2f}"
+        f" | {'-' if r['window_max_over_mean'] is None else format(r['window_max_over_mean'], '.2f')}"
+        f" | {'-' if r['window_entropy'] is None else format(r['window_entropy'], '.4f')}"
         f" | {r['skip_rate']:.3f} | {r['router_entropy']:.2f} | {r['train_loss']:.3f} | "
         f"{'-' if r['eval_loss'] is None else format(r['eval_loss'], '.4f')} |")
   return "\n".join(lines)
