@@ -243,6 +243,10 @@ def launch_devices(workdir, corpus_path, devices, *extra, log=None, cache_dir=No
   """Starts `python -m launch.train` on `corpus_path` with `MULTIPROCESS_OVERRIDES`, then
   `extra`, and `devices` fake CPU devices; output goes to `log`.
 
+  XLA's LLVM optimisations are off (JAX_DISABLE_MOST_OPTIMIZATIONS, as the `fast_compile`
+  fixture of tests/conftest.py and tests/train/test_mesh_reshape.py): it halves the compile
+  time, and every run of these tests, one process or two, is compiled alike.
+
   `cache_dir`: JAX's persistent compilation cache, for a single-process run only. Never for
   the processes of a multi-process run: in jax 0.10.2 the cache key differs per process and
   only process 0 writes entries, so process 0 would load its step from the cache while
@@ -250,7 +254,8 @@ def launch_devices(workdir, corpus_path, devices, *extra, log=None, cache_dir=No
   """
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+              "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
   if cache_dir is not None:
     assert not any(a.startswith("--num_processes") for a in extra), "one process only"
     env.update(cache_env(cache_dir))
