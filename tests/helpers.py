@@ -172,13 +172,23 @@ CLI_TRAIN_OVERRIDES = [
 ]
 
 
+def cache_env(cache_dir) -> dict[str, str]:
+  """The environment of a subprocess that reads and writes JAX's persistent compilation
+  cache in `cache_dir` (a job-local directory, never shared between machines)."""
+  return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
 def launch_train(workdir, cache_dir, *extra) -> subprocess.Popen:
   """Starts `python -m launch.train` on the tiny config with `CLI_TRAIN_OVERRIDES` and then
   `extra` flags (later flags win), stdout and stderr together in one text pipe; the JAX
-  compilation cache in `cache_dir` (shared by a module's runs, so later ones skip compiles)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  compilation cache in `cache_dir` (shared by a module's runs, so later ones skip compiles).
+
+  The cache hits on CPU with jax 0.10.2 (jax#38445 reports CPU entries rejected on reload
+  in 0.9.1-0.10.1): a second run of these flags reads all 27 programs from it, 17.7 s of
+  backend compile down to 0.7 s. Size -1: every entry is written, with no override."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", **cache_env(cache_dir)}
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
          f"--workdir={workdir}", *CLI_TRAIN_OVERRIDES, *extra]
   return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -229,12 +239,26 @@ MULTIPROCESS_OVERRIDES = [
 ]
 
 
-def launch_devices(workdir, corpus_path, devices, *extra, log=None):
+def launch_devices(workdir, corpus_path, devices, *extra, log=None, cache_dir=None):
   """Starts `python -m launch.train` on `corpus_path` with `MULTIPROCESS_OVERRIDES`, then
-  `extra`, and `devices` fake CPU devices; output goes to `log`."""
+  `extra`, and `devices` fake CPU devices; output goes to `log`.
+
+  XLA's LLVM optimisations are off (JAX_DISABLE_MOST_OPTIMIZATIONS, as the `fast_compile`
+  fixture of tests/conftest.py and tests/train/test_mesh_reshape.py): it halves the compile
+  time, and every run of these tests, one process or two, is compiled alike.
+
+  `cache_dir`: JAX's persistent compilation cache, for a single-process run only. Never for
+  the processes of a multi-process run: in jax 0.10.2 the cache key differs per process and
+  only process 0 writes entries, so process 0 would load its step from the cache while
+  process 1 compiles, and gloo gives up on the first collective after 30 s.
+  """
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+              "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
+  if cache_dir is not None:
+    assert not any(a.startswith("--num_processes") for a in extra), "one process only"
+    env.update(cache_env(cache_dir))
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
          f"--workdir={workdir}", f"--config.data.source={corpus_path}", *MULTIPROCESS_OVERRIDES,
          *extra]

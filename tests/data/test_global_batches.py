@@ -7,7 +7,9 @@ documents of up to 150 bytes, not built to fit the rows):
   * 2 processes x 4 devices, 3 steps, then the same workdir resumed on 1 process x 8 devices
     with data.num_workers=2 for 2 more (the 2-process data state restored on 1 process, read
     by 2 loader worker processes).
-Three runs, not four (a separate worker run costs another compile on a 2-core machine).
+Three runs, not four (a separate worker run costs another compile on a 2-core machine). The
+two 1-process runs share a persistent compilation cache (the same programs: the last reads
+the first's); the 2-process run compiles (`launch_devices`: no cache for several processes).
 Per-step losses must agree within 1e-6 relative (the same batches; the mesh and the per-device
 rows are the same, only the number of controllers differs).
 """
@@ -37,10 +39,11 @@ def _close(a, b):
 
 
 @pytest.mark.slow
-def test_same_losses_on_any_process_and_worker_count(tmp_path, prepared_dir):
+def test_same_losses_on_any_process_and_worker_count(tmp_path, prepared_dir, compile_cache_dir):
   one, two = tmp_path / "one", tmp_path / "two"
   codes = wait_all([launch_devices(one, prepared_dir, 8, "--config.train.max_steps_per_run=5",
-                                   log=tmp_path / "one.log")], MULTIPROCESS_TIMEOUT_S)
+                                   log=tmp_path / "one.log", cache_dir=compile_cache_dir)],
+                   MULTIPROCESS_TIMEOUT_S)
   assert codes == [0], tail(tmp_path, "one.log")
   ref = losses(one)
   assert sorted(ref) == [1, 2, 3, 4, 5]
@@ -53,7 +56,8 @@ def test_same_losses_on_any_process_and_worker_count(tmp_path, prepared_dir):
   state = json.loads(state_file.read_text())
   assert state["format"] == "zaya-global-v1" and state["global_batch"] == 3, state
   codes = wait_all([launch_devices(two, prepared_dir, 8, "--config.train.max_steps_per_run=2",
-                                   "--config.data.num_workers=2", log=tmp_path / "resumed.log")],
+                                   "--config.data.num_workers=2", log=tmp_path / "resumed.log",
+                                   cache_dir=compile_cache_dir)],
                    MULTIPROCESS_TIMEOUT_S)
   assert codes == [0], tail(tmp_path, "resumed.log")
   resumed_log = (tmp_path / "resumed.log").read_text()

@@ -56,7 +56,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tests.helpers import MODEL_OVERRIDES
+from tests.helpers import MODEL_OVERRIDES, cache_env
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import GROUPS, CheckpointConfig, resolve
 from zaya_jax.data import make_train_iterator
@@ -106,10 +106,7 @@ def mesh_flags(mesh):
 def launch(workdir, cache_dir, devices, mesh, *extra):
   """Starts `python -m launch.train` with `devices` CPU devices; output goes to workdir.log."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  env.update({"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-              "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
+  env.update({"JAX_PLATFORMS": "cpu", **cache_env(cache_dir), "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
   if devices > 1:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",

@@ -9,9 +9,11 @@ same global batches only for a corpus built for it: 8 documents of exactly T+1 t
 document is one packed row, and a global batch of 8 rows is one epoch, i.e. all documents
 (in another order). The loss is a mean over tokens, so the runs agree up to summation order.
 
-No persistent compilation cache here (unlike test_resume.py): in jax 0.10.2 the cache key
-differs per process and only process 0 writes entries, so process 0 would load its step from
-the cache while process 1 compiles, and gloo gives up on the first collective after 30 s.
+No persistent compilation cache for the two-process runs (`launch_devices`): in jax 0.10.2
+the cache key differs per process and only process 0 writes entries, so process 0 would load
+its step from the cache while process 1 compiles, and gloo gives up on the first collective
+after 30 s. The 1-process run uses the session's cache (tests/data/test_global_batches.py
+compiles the same program). Every run compiles with XLA's LLVM optimisations off.
 """
 
 import json
@@ -42,11 +44,11 @@ def corpus(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path, corpus):
+def test_two_processes_match_one(tmp_path, corpus, compile_cache_dir):
   one, two = tmp_path / "one", tmp_path / "two"
   limit = f"--config.train.max_steps_per_run={STEPS}"
-  codes = wait_all([launch_devices(one, corpus, 8, limit, log=tmp_path / "single.log")],
-                   TIMEOUT_S)
+  codes = wait_all([launch_devices(one, corpus, 8, limit, log=tmp_path / "single.log",
+                                   cache_dir=compile_cache_dir)], TIMEOUT_S)
   assert codes == [0], tail(tmp_path, "single.log")
 
   procs = launch_pair(two, corpus, tmp_path, limit)

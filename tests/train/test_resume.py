@@ -1,39 +1,55 @@
 """Resume: N steps, exit, rerun to 2N gives the same per-step losses as 2N steps straight.
 
-Runs the real CLI (`python -m launch.train`) in subprocesses on a very small config. CPU,
-fixed seeds: the losses must be bit-identical. The subprocesses share a persistent JAX
-compilation cache so the later ones skip most compilation.
+Calls the loop in-process (`zaya_jax.train.run`, what `launch.train` calls after parsing) on
+a very small config, with JAX's persistent compilation cache (`persistent_compile_cache`,
+tests/conftest.py): each run after the first of its shapes reads the compiled steps back.
+One run goes through the CLI (`python -m launch.train`), for what only a process exit shows.
+CPU, fixed seeds: the losses must be bit-identical. The console lines (`Resuming at step
+...`, the checkpoint warnings) are absl records, read with `caplog`.
 """
 
+import logging
 import os
 
 import pytest
 
-from tests.helpers import CLI_EVERY, finish_run, launch_train, run_records
+from tests.helpers import finish_run, launch_train, run_records
+from tests.train.inproc import STEPS, tiny_run_config
+from zaya_jax.train import run
 
-N = CLI_EVERY  # steps before the interruption
+N = STEPS // 2  # steps before the interruption; a checkpoint every N steps
+
+pytestmark = pytest.mark.usefixtures("persistent_compile_cache")
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  """One JAX compilation cache for every subprocess of this module."""
-  return tmp_path_factory.mktemp("jax_cache")
+def _config(mode: str | None = None, **train):
+  config = tiny_run_config(**train)
+  if mode is not None:
+    config.balance.mode = mode
+  return config
+
+
+def _run(config, workdir, caplog) -> str:
+  """`run(config, workdir)`; returns the text of the INFO and higher records it logged."""
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    run(config, str(workdir))
+  return caplog.text
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["quantile", "adamw"])
-def test_resume_matches_straight_run(tmp_path, cache, mode):
+def test_resume_matches_straight_run(tmp_path, mode, caplog):
   """Per-step losses, expert loads and balancing biases (after each update) equal an
   uninterrupted run's: for "adamw" the biases after step N+1 depend on the bias optimizer's
   restored moments and count; for "quantile" on the restored biases (the solve's warm start)."""
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  mode_flag = f"--config.balance.mode={mode}"
-  finish_run(launch_train(straight, cache, mode_flag))  # compiles; the later runs read the cache
-  finish_run(launch_train(resumed, cache, mode_flag, f"--config.train.max_steps_per_run={N}"))
+  _run(_config(mode), straight, caplog)  # compiles; the later runs read the cache
+  _run(_config(mode, max_steps_per_run=N), resumed, caplog)
   assert sorted(run_records(resumed)) == list(range(1, N + 1))
   assert sorted(os.listdir(resumed / "checkpoints")) == [str(N)]
 
-  out = finish_run(launch_train(resumed, cache, mode_flag))
+  out = _run(_config(mode), resumed, caplog)
   assert f"Resuming at step {N}/{2 * N}" in out, out[-4000:]
 
   a, b = run_records(straight), run_records(resumed)
@@ -45,30 +61,40 @@ def test_resume_matches_straight_run(tmp_path, cache, mode):
   assert run_records(straight, "eval")[2 * N]["loss"] == run_records(resumed, "eval")[2 * N]["loss"]
 
   # Rerunning a finished run trains nothing more and keeps the checkpoints.
-  out = finish_run(launch_train(resumed, cache, mode_flag))
+  out = _run(_config(mode), resumed, caplog)
   assert f"Resuming at step {2 * N}/{2 * N}" in out
   assert len(run_records(resumed)) == 2 * N
 
 
 @pytest.mark.slow
-def test_resume_refuses_another_model_and_follows_run_shape_changes(tmp_path, cache):
+def test_resume_refuses_another_model_and_follows_run_shape_changes(tmp_path, caplog,
+                                                                    compile_cache_dir):
   """Another model is refused. A new train.seq_len or data.num_workers resumes (issue 14:
   the first silently skipped or repeated tokens, the second made every checkpoint look
   corrupt): the position is carried to the same token across the row length (tested exactly
-  in tests/data), and a worker-count change restarts the data order, with a warning."""
-  workdir = tmp_path / "run"
-  once = ["--config.train.max_steps_per_run=1", "--config.checkpoint.every_steps=1"]
-  finish_run(launch_train(workdir, cache, *once))
-  proc = launch_train(workdir, cache, "--config.model.hidden_size=64")
-  out, _ = proc.communicate(timeout=240)
-  assert proc.returncode != 0
-  assert "model.hidden_size: 32 -> 64" in out, out[-4000:]
+  in tests/data), and a worker-count change restarts the data order, with a warning.
 
-  out = finish_run(launch_train(workdir, cache, *once, "--config.train.seq_len=64"))
+  The worker-count resume runs through the CLI, whose exit is where the resource tracker
+  reports leaked shared memory (issue 23); it reads its compiled steps from the cache that
+  the in-process seq_len=64 run wrote."""
+  workdir = tmp_path / "run"
+
+  def config(hidden=32, **train):
+    c = _config(**train)
+    c.checkpoint.every_steps = 1
+    c.model.hidden_size = hidden
+    return c
+
+  _run(config(max_steps_per_run=1), workdir, caplog)
+  with pytest.raises(ValueError, match="model.hidden_size: 32 -> 64"):
+    _run(config(hidden=64), workdir, caplog)
+
+  out = _run(config(max_steps_per_run=1, seq_len=64), workdir, caplog)
   assert "Resuming at step 1/" in out, out[-4000:]
   assert "train.seq_len 32 -> 64; the data position is carried over to the same token" in out
-  out = finish_run(launch_train(workdir, cache, *once, "--config.train.seq_len=64",
-                      "--config.data.num_workers=2"))
+  out = finish_run(launch_train(workdir, compile_cache_dir, "--config.train.max_steps_per_run=1",
+                                "--config.checkpoint.every_steps=1", "--config.train.seq_len=64",
+                                "--config.data.num_workers=2"))
   assert "Resuming at step 2/" in out, out[-4000:]
   assert ("data.num_workers changed 0 -> 2 (each worker count reads the documents in its own "
           "order), so the saved data position is not applied: the model, optimizer and step "
