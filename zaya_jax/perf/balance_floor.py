@@ -73,7 +73,7 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
       return aux["router_probs"], batch["segment_ids"].reshape(-1) > 0
 
     exact = jax.jit(quantile_biases, static_argnums=(3, 4))
-    # The default rule's update (EMA step and integral), as the training step applies it.
+    # The config's quantile update (EMA step and integral), as the training step applies it.
     rule = jax.jit(lambda b, st, p, v: quantile_step(cfg.balance, b, st, p, v))
     controller = init_balance_state(*stored_LX.shape)
     counts = jax.jit(route_counts)
@@ -84,7 +84,6 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
     bal = cfg.balance
     out: dict[str, list[float]] = {"oracle": [], "histogram": [], "stored": []}
     churn: list[float] = []
-    moved = _moved_fraction
     prev = None
     b_hist = stored_LX
     for _ in range(num_batches):
@@ -96,7 +95,7 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
         out["stored"].append(worst_max_over_mean(counts(probs, valid, stored_LX)))
       b_next, controller = rule(b_hist, controller, probs, valid)
       # Tokens of this batch that the rule's next biases send to another class (model fixed).
-      churn.append(float(moved(probs, valid, b_hist, b_next)))
+      churn.append(float(_moved_fraction(probs, valid, b_hist, b_next)))
       b_hist, prev = b_next, (probs, valid)
   return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()},
           "churn": churn, "median_churn": statistics.median(churn)}

@@ -209,15 +209,17 @@ def quantile_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
   """
   if not cfg.enabled:
     return biases_LX, state
-  new_state = state
+  integrate = solved_LX is None and cfg.quantile_integral > 0
   if solved_LX is None:
     solved_LX = histogram_biases(jax.lax.stop_gradient(probs_LMX), valid_M, biases_LX,
                                  cfg.skip_target, cfg.quantile_iters, cfg.quantile_step)
-    if cfg.quantile_integral > 0:  # type-2 loop: the running sum of shifts tracks the drift
-      integral_LX = state["integral"] + (solved_LX - biases_LX)
-      solved_LX = solved_LX + cfg.quantile_integral / (1.0 - cfg.quantile_ema) * integral_LX
-      new_state = dict(state, integral=jnp.where(apply, integral_LX, state["integral"]))
   new_LX = cfg.quantile_ema * biases_LX + (1.0 - cfg.quantile_ema) * solved_LX
+  if not integrate:
+    return jnp.where(apply, clamp_controlled(cfg, new_LX), biases_LX), state
+  # Type-2 loop: the running sum of the solved shifts tracks a drifting router.
+  integral_LX = state["integral"] + (solved_LX - biases_LX)
+  new_LX = new_LX + cfg.quantile_integral * integral_LX
+  new_state = dict(state, integral=jnp.where(apply, integral_LX, state["integral"]))
   return jnp.where(apply, clamp_controlled(cfg, new_LX), biases_LX), new_state
 
 

@@ -233,6 +233,5 @@ def compile_and_header(start: Start, workdir: str, mesh: jax.sharding.Mesh,
     eval_step = eval_step.lower(start.target, eval_batches[0]).compile()
     compile_s = time.perf_counter() - begin
     if is_main:
-      logging.info("eval step compiled in %.1f s%s", time.perf_counter() - begin,
-                   console.memory_analysis(eval_step))
+      logging.info("eval step compiled in %.1f s%s", compile_s, console.memory_analysis(eval_step))
   return Compiled(eval_step, compile_s, peak_flops, flops_per_token)
