@@ -43,5 +43,13 @@ def test_windowed_load_sums_blocks_of_steps_before_the_ratio(tmp_path):
                                    window_steps=64)
   assert short["window_max_over_mean"] is None and short["window_entropy"] is None
   assert "| run |" in balance_report.markdown_table([got, short], 1, 37)
+  # A layer whose tokens all skip the experts counts as even, as in train.balance.load_stats.
+  skipped = loads.copy()
+  skipped[:, 2, :4] = 0
+  mom, ent = balance_report.windowed(skipped, 8)
+  blocks2 = skipped[:32, :2, :4].reshape(4, 8, 2, 4).sum(1)
+  assert mom == pytest.approx(np.median([max(b[l].max() / b[l].mean() for l in range(2))
+                                         for b in blocks2]), rel=1e-12)
+  assert 0.5 < ent <= 1.0
   with pytest.raises(ValueError, match="one window"):
     balance_report.windowed(loads[:3], 4)

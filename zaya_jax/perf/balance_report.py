@@ -44,10 +44,14 @@ def windowed(loads_SLX: np.ndarray, window: int) -> tuple[float, float]:
   if blocks < 1:
     raise ValueError(f"{experts_SLE.shape[0]} steps < one window of {window}")
   summed_BLE = experts_SLE[:blocks * window].reshape(blocks, window, *experts_SLE.shape[1:]).sum(1)
-  mom_BL = summed_BLE.max(-1) / np.maximum(summed_BLE.mean(-1), 1e-30)
+  # As `zaya_jax.train.balance.load_stats` (float64 here): a layer with no expert tokens in
+  # a block counts as even (max/mean 1, entropy 1).
+  mean_BL = summed_BLE.mean(-1)
+  mom_BL = np.where(mean_BL > 0, summed_BLE.max(-1) / np.maximum(mean_BL, 1e-30), 1.0)
   q_BLE = summed_BLE / np.maximum(summed_BLE.sum(-1, keepdims=True), 1e-30)
   ent_BL = -np.sum(np.where(q_BLE > 0, q_BLE * np.log(np.where(q_BLE > 0, q_BLE, 1.0)), 0.0),
                    -1) / np.log(summed_BLE.shape[-1])
+  ent_BL = np.where(mean_BL > 0, ent_BL, 1.0)
   return float(np.median(mom_BL.max(-1))), float(np.median(ent_BL.min(-1)))
 
 
@@ -120,6 +124,7 @@ def markdown_table(rows: list[dict[str, Any]], first: int = 200, last: int = 400
   """A Markdown table of `summarize` results, one line per run."""
   steps = list(rows[0]["entropy_at"]) if rows else []
   fmt = lambda v: " ".join(f"{x:.2f}" for x in v)
+  opt = lambda v, spec: "-" if v is None else format(v, spec)  # a figure the run may lack
   head = (f"| run | max/mean median per layer, steps {first}-{last} | worst per layer | "
           + " | ".join(f"H/ln E @{s} (min layer)" for s in steps)
           + " | median min-layer H/ln E | worst-layer max/mean per step (median) | window "
@@ -131,10 +136,8 @@ def markdown_table(rows: list[dict[str, Any]], first: int = 200, last: int = 400
            f"{r['entropy_at'][s][0]:.3f} (L{r['entropy_at'][s][1]})" for s in steps]
     lines.append(
         f"| {r['run']} | {fmt(r['median_L'])} | {fmt(r['worst_L'])} | " + " | ".join(ent)
-        + f" | {'-' if r['entropy_median'] is None else format(r['entropy_median'], '.3f')}"
-        f" | {r['per_step_worst_median']:.2f}"
-        f" | {'-' if r['window_max_over_mean'] is None else format(r['window_max_over_mean'], '.2f')}"
-        f" | {'-' if r['window_entropy'] is None else format(r['window_entropy'], '.4f')}"
+        + f" | {opt(r['entropy_median'], '.3f')} | {r['per_step_worst_median']:.2f}"
+        f" | {opt(r['window_max_over_mean'], '.2f')} | {opt(r['window_entropy'], '.4f')}"
         f" | {r['skip_rate']:.3f} | {r['router_entropy']:.2f} | {r['train_loss']:.3f} | "
-        f"{'-' if r['eval_loss'] is None else format(r['eval_loss'], '.4f')} |")
+        f"{opt(r['eval_loss'], '.4f')} |")
   return "\n".join(lines)
