@@ -5,11 +5,17 @@ run in their own pytest process started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8 ... pytest -m multidevice tests`
 (README, `.ci/run`). In any run with fewer devices they are skipped, with the reason.
 
-`persistent_compile_cache`: JAX's persistent compilation cache in this process, for a module
-whose tests call the training loop in-process several times.
+JAX's persistent compilation cache is on for the whole session and its subprocesses
+(`pytest_configure`); `compile_cache_dir` names its directory.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -39,44 +45,100 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(scope="session")
-def fast_compile():
-  """XLA:CPU with LLVM -O0 for the session (`jax_disable_most_optimizations`): halves the
-  compile time of the multi-device tests. HLO passes, SPMD partitioning included, still run,
-  and a mesh run and its one-device reference are compiled alike."""
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
+def compile_cache_dir():
+  """This process's job-local directory of JAX's persistent compilation cache
+  (`pytest_configure`): pass it to subprocesses that set their cache explicitly."""
+  return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+# --- Compile report (issue 24, item 1): set ZAYA_COMPILE_REPORT=DIR to write, for each test,
+# the seconds this process spent tracing, lowering and compiling with XLA, and the names of the
+# programs compiled, as DIR/compile_<worker>.json. Compiles in subprocesses are not seen here.
+
+_COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "backend_s",
+}
+_compile_now: dict | None = None
+_compile_report: dict = {}
+
+
+def _on_compile_event(event, duration, **kwargs):
+  key = _COMPILE_EVENTS.get(event)
+  if key is None or _compile_now is None:
+    return
+  _compile_now[key] = _compile_now.get(key, 0.0) + duration
+  if key == "backend_s":
+    _compile_now.setdefault("programs", []).append(
+        [str(kwargs.get("fun_name", "?")), round(duration, 3)])
+
+
+_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+_session_cache: str | None = None
+
+
+def pytest_configure(config):
+  """JAX's persistent compilation cache for the whole session: one fresh directory per
+  process (each xdist worker has its own, so no two writers share it; removed at the end;
+  never shared between machines or jobs), every program written (no minimum compile time or
+  size). Set in `os.environ` as well as in this process's jax config, so every subprocess a
+  test starts (the CLI runs) reads and writes the same cache: the suite compiles each
+  distinct program about once. A test that needs a cold compile, or a multi-process run
+  (tests/helpers.py `launch_devices`), sets or removes `JAX_COMPILATION_CACHE_DIR` in its
+  child's environment. `ZAYA_TEST_NO_COMPILE_CACHE=1` turns it off (to check that no test
+  depends on it). The cache hits on CPU with jax 0.10.2 (jax#38445 reports CPU entries
+  rejected on reload in 0.9.1-0.10.1; a hit is checked in tests/tools/test_small_fixes.py).
+
+  XLA:CPU with LLVM -O0 (`jax_disable_most_optimizations`, here and in subprocesses): it
+  halves the backend compile time (the tiny test train step: 40.9 -> 20.6 CPU-seconds) and
+  on the suite's small shapes a step runs as fast (0.024 -> 0.020 s); HLO passes, SPMD
+  partitioning included, still run, and every run of a comparison is compiled alike.
+  `ZAYA_TEST_FULL_OPT=1` runs the suite with XLA's default optimisations.
+
+  `ZAYA_COMPILE_REPORT=DIR`: the compile report below."""
+  del config
+  global _session_cache
+  if os.environ.get("ZAYA_TEST_FULL_OPT") != "1":
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    jax.config.update("jax_disable_most_optimizations", True)
+  if os.environ.get("ZAYA_TEST_NO_COMPILE_CACHE") == "1":
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+  else:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _session_cache = tempfile.mkdtemp(prefix=f"zaya_jax_compile_cache_{worker}_")
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": _session_cache, **_CACHE_ENV})
+    jax.config.update("jax_compilation_cache_dir", _session_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    compilation_cache.reset_cache()
+  if os.environ.get("ZAYA_COMPILE_REPORT"):
+    jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Attributes compile time to the test (setup, call and teardown, fixtures included)."""
+  del nextitem
+  global _compile_now
+  if not os.environ.get("ZAYA_COMPILE_REPORT"):
+    yield
+    return
+  _compile_now = {}
   yield
-  jax.config.update("jax_disable_most_optimizations", before)
+  _compile_report[item.nodeid] = _compile_now
+  _compile_now = None
 
 
-@pytest.fixture(scope="session")
-def compile_cache_dir(tmp_path_factory):
-  """One job-local directory for JAX's persistent compilation cache, for the whole session
-  (each xdist worker has its own); never shared between machines."""
-  return tmp_path_factory.mktemp("jax_cache")
-
-
-_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                  "jax_persistent_cache_min_entry_size_bytes")
-
-
-@pytest.fixture(scope="module")
-def persistent_compile_cache(compile_cache_dir):
-  """JAX's persistent compilation cache in `compile_cache_dir` for one module's tests, every
-  program written (no minimum compile time or size); the previous settings afterwards.
-
-  Each `zaya_jax.train.run` builds and jits its train and eval steps anew, so JAX's in-memory
-  caches do not carry a compiled step from one run to the next: on the tiny config a second
-  run in the same process spent 21.5 s in the backend compiler without this cache, 0.8 s
-  with it (3 of 3 programs read back; jax 0.10.2, CPU). `reset_cache` is needed because JAX
-  decides once per process whether the cache is used, at the first compile.
-  """
-  before = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
-  jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in before.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
+def pytest_unconfigure(config):
+  del config
+  if _session_cache is not None:
+    shutil.rmtree(_session_cache, ignore_errors=True)
+  out = os.environ.get("ZAYA_COMPILE_REPORT")
+  if not out or not _compile_report:
+    return
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f"compile_{worker}_{os.getpid()}.json"), "w") as f:
+    json.dump(_compile_report, f)

@@ -243,9 +243,9 @@ def launch_devices(workdir, corpus_path, devices, *extra, log=None, cache_dir=No
   """Starts `python -m launch.train` on `corpus_path` with `MULTIPROCESS_OVERRIDES`, then
   `extra`, and `devices` fake CPU devices; output goes to `log`.
 
-  XLA's LLVM optimisations are off (JAX_DISABLE_MOST_OPTIMIZATIONS, as the `fast_compile`
-  fixture of tests/conftest.py and tests/train/test_mesh_reshape.py): it halves the compile
-  time, and every run of these tests, one process or two, is compiled alike.
+  XLA's LLVM optimisations are off (JAX_DISABLE_MOST_OPTIMIZATIONS, as in the whole suite:
+  tests/conftest.py): it halves the compile time, and every run of these tests, one process
+  or two, is compiled alike.
 
   `cache_dir`: JAX's persistent compilation cache, for a single-process run only. Never for
   the processes of a multi-process run: in jax 0.10.2 the cache key differs per process and

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from tests.helpers import MODEL_OVERRIDES
+from tests.helpers import MODEL_OVERRIDES, cache_env
 from zaya_jax.hf.import_hf import SafetensorsReader
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,9 +24,7 @@ CONFIG = ["--config=configs/zaya1_tiny.py", *MODEL_OVERRIDES, "--config.model.at
 
 def cli(module, *args, cache_dir, check=True):
   """Runs `python -m module args` from the repo root on CPU; returns (exit code, output)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", **cache_env(cache_dir)}
   proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=env,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
   if check:

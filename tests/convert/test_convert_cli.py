@@ -59,10 +59,11 @@ def write_hf_dir(path, progress=None) -> None:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(tmp_path_factory, compile_cache_dir):
   """Runs import -> train 2 steps -> generate -> export once; returns the paths and outputs."""
   root = tmp_path_factory.mktemp("convert_cli")
-  hf, run, out, cache = (root / k for k in ("hf", "run", "export", "cache"))
+  hf, run, out = (root / k for k in ("hf", "run", "export"))
+  cache = compile_cache_dir  # the session's (tests/conftest.py)
   write_hf_dir(hf)
   _, import_out = cli("launch.convert_from_hf", f"--hf_dir={hf}", f"--workdir={run}", cache_dir=cache)
   from zaya_jax.checkpoint import find_run_checkpoint  # after the subprocess wrote step 0
@@ -173,14 +174,14 @@ def test_explicit_model_overrides_that_disagree_are_one_error(converted, tmp_pat
 
 
 @pytest.mark.slow
-def test_import_with_no_warm_up_prints_no_optax_line(tmp_path):
+def test_import_with_no_warm_up_prints_no_optax_line(tmp_path, compile_cache_dir):
   """Issue 23: optax's INFO line "A polynomial schedule was set with a non-positive
   `transition_steps` value ..." (a 0-step warm-up piece, as in every benchmark run) passed the
   third-party log filter; convert_from_hf builds the optimizer too, in seconds."""
   write_hf_dir(tmp_path / "hf")
   _, out = cli("launch.convert_from_hf", f"--hf_dir={tmp_path / 'hf'}",
                f"--workdir={tmp_path / 'run'}", "--config=configs/zaya1_tiny.py",
-               "--config.train.warmup_steps=0", cache_dir=tmp_path / "cache")
+               "--config.train.warmup_steps=0", cache_dir=compile_cache_dir)
   assert "transition_steps" not in out and "_schedule.py" not in out, out
   assert "warm-up 0," in out and len(out.strip().splitlines()) <= 7, out
 

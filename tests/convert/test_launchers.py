@@ -43,10 +43,11 @@ TRAIN = ["--config.train.seq_len=32", "--config.train.batch_size=2",
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
+def chain(tmp_path_factory, compile_cache_dir):
   """Runs the whole chain once; returns a dict of the paths, the HF source and its input ids."""
   root = tmp_path_factory.mktemp("launchers")
-  paths = {k: root / k for k in ("hf", "run", "step0", "trained", "cache")}
+  paths = {k: root / k for k in ("hf", "run", "step0", "trained")}
+  paths["cache"] = compile_cache_dir  # the session's (tests/conftest.py)
   hf, ids = hf_reference.build(seed=7, **HF_ARCH)
   hf.save_pretrained(paths["hf"])
   cache = paths["cache"]

@@ -108,6 +108,24 @@ def test_every_train_document_once_per_epoch_across_processes(corpus):
   np.testing.assert_array_equal(first_c["inputs"], want[b:])
 
 
+@pytest.mark.parametrize("window", [2, 7, row_shuffle.SMALL_WINDOW - 1, row_shuffle.SMALL_WINDOW])
+def test_shuffled_row_is_a_keyed_bijection_of_each_window(window):
+  """Both ways of permuting a window (whole below SMALL_WINDOW, grain's index_shuffle per row
+  from it): each window is a permutation of its own rows, windows and seeds differ, and the
+  same arguments give the same row (the cached small permutations are not changed by use)."""
+  windows = 8 if window < 100 else 2
+  def perms(seeds):
+    seed = row_shuffle.window_seed(seeds)
+    got = [row_shuffle.shuffled_row(r, window, seed) for r in range(windows * window)]
+    return [[g - w * window for g in got[w * window:(w + 1) * window]] for w in range(windows)]
+  got = perms((5, 7))
+  assert all(sorted(p) == list(range(window)) for p in got)
+  assert any(p != list(range(window)) for p in got)
+  assert any(p != got[0] for p in got[1:])
+  assert perms((6, 7)) != got
+  assert perms((5, 7)) == got
+
+
 def test_shuffled_rows_permute_each_window_on_any_process_count(corpus):
   """data.shuffle_rows: global batches hold the unshuffled index's rows permuted within each
   window of W rows (W capped at one epoch's rows), the same on 1 and 2 processes, and fewer

@@ -19,9 +19,9 @@ def _run(*args, timeout=240) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def workdir(tmp_path_factory, compile_cache_dir):
   w = tmp_path_factory.mktemp("quiet") / "run"
-  finish_run(launch_train(w, tmp_path_factory.mktemp("cache")))
+  finish_run(launch_train(w, compile_cache_dir))
   return w
 
 

@@ -4,9 +4,6 @@ layers; both modes balance a skewed synthetic router; the AdamW rule matches opt
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from configs import zaya1_tiny
 from tests.helpers import random_batch, tiny_model_config
 from zaya_jax.config import BalanceConfig, ConfigError, TrainConfig
 from zaya_jax.config.mesh import MeshConfig
@@ -21,11 +19,11 @@ from zaya_jax.model.quantile import (GAP_EDGES, class_targets, gap_histogram, ga
                                     histogram_biases, quantile_biases, route_counts)
 from zaya_jax.parallel.mesh import make_mesh, use_mesh
 from zaya_jax.train import balance as B
+from zaya_jax.train import run
 from zaya_jax.train.loop import global_batch
 from zaya_jax.train.setup import setup_training
 from zaya_jax.train.state import init_train_state
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 L, E, F, N = 2, 8, 16, 4096  # layers, experts, token features, tokens per step
 X = E + 1
 
@@ -351,7 +349,7 @@ def train_on_layout(mode: str, mesh_cfg: MeshConfig, devices: int, accum: int) -
 @pytest.mark.slow
 @pytest.mark.multidevice
 @pytest.mark.parametrize("mode", ["quantile", "adamw", "quantile_current"])
-def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(fast_compile, mode):
+def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(mode):
   """Routing counts every step equal exactly on 1 device, meshes (1,1,8) and (2,1,4) and
   with 2 micro-batches. "adamw" biases depend on the counts only: equal bit for bit.
   "quantile" biases are midpoints between two tokens' margins, and the router
@@ -360,7 +358,6 @@ def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(fast_compi
   little more: equal to 1e-5 (observed <= 2.3e-6 after 3 steps).
   "quantile_current" solves each micro-batch for itself, so with 2 micro-batches its counts
   are the sum of two even splits of 52 tokens (6 or 7 per expert, +-1 each): within 4."""
-  del fast_compile
   runs = {name: train_on_layout(mode, *layout) for name, layout in MESH_LAYOUTS.items()}
   ref = runs["1 device"]
   assert len(np.unique(np.asarray(ref["counts"])[-1, 0])) > 2  # several classes chosen
@@ -389,13 +386,11 @@ def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   one-hot within ~10 steps; identical probabilities cannot be split by any bias: README
   "Load balancing".)"""
   workdir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
-         f"--workdir={workdir}", "--config.train.num_steps=200", "--config.train.warmup_steps=1",
-         "--config.train.log_every=1", "--config.train.eval_every=0",
-         "--config.train.eval_batches=0", "--config.checkpoint.every_steps=0"]
-  out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                       capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-4000:]
+  config = zaya1_tiny.get_config()  # in-process: what `python -m launch.train` runs
+  t = config.train
+  t.num_steps, t.warmup_steps, t.log_every, t.eval_every, t.eval_batches = 200, 1, 1, 0, 0
+  config.checkpoint.every_steps = 0
+  run(config, str(workdir))
   with open(workdir / "metrics.jsonl") as f:
     rows = {r["step"]: r for r in map(json.loads, f) if r["kind"] == "train"}
   load = np.sum([np.asarray(rows[s]["expert_load"])[:, :-1] for s in range(185, 201)], axis=0)

@@ -162,10 +162,10 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, compile_cache_dir):
   workdir = tmp_path_factory.mktemp("console_run")
   out = finish_run(launch_train(
-      workdir, tmp_path_factory.mktemp("cache"), f"--config.train.num_steps={STEPS}",
+      workdir, compile_cache_dir, f"--config.train.num_steps={STEPS}",
       "--config.train.log_every=2", "--config.train.eval_every=4",
       "--config.checkpoint.every_steps=4", "--config.train.eval_batches=1"))
   return workdir, out

@@ -67,8 +67,9 @@ def assert_same_losses(workdir, reference, steps):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  return tmp_path_factory.mktemp("jax_cache")
+def cache(compile_cache_dir):
+  """The session's compilation cache (tests/conftest.py): the runs share their programs."""
+  return compile_cache_dir
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ device; parameters and moments at 2N within 1.7e-6 of each leaf's largest value.
 
 Every subprocess compiles its mesh's train step (the reference reads the first run's from a
 shared persistent compilation cache); they run with XLA's LLVM optimisations off
-(JAX_DISABLE_MOST_OPTIMIZATIONS, as the `fast_compile` fixture of tests/conftest.py), which
+(JAX_DISABLE_MOST_OPTIMIZATIONS, as the whole suite: tests/conftest.py), which
 halves compile time, and the four resumes run in parallel.
 """
 
@@ -181,9 +181,9 @@ def worst_leaf_diff(got, want):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  """One JAX compilation cache for every subprocess of this module."""
-  return tmp_path_factory.mktemp("jax_cache")
+def cache(compile_cache_dir):
+  """The session's JAX compilation cache (tests/conftest.py), for every subprocess."""
+  return compile_cache_dir
 
 
 @pytest.mark.slow

@@ -1,9 +1,8 @@
 """Resume: N steps, exit, rerun to 2N gives the same per-step losses as 2N steps straight.
 
 Calls the loop in-process (`zaya_jax.train.run`, what `launch.train` calls after parsing) on
-a very small config, with JAX's persistent compilation cache (`persistent_compile_cache`,
-tests/conftest.py): each run after the first of its shapes reads the compiled steps back.
-One run goes through the CLI (`python -m launch.train`), for what only a process exit shows.
+a very small config, with the session's persistent compilation cache (tests/conftest.py):
+each run after the first of its shapes reads the compiled steps back. One run goes through the CLI (`python -m launch.train`), for what only a process exit shows.
 CPU, fixed seeds: the losses must be bit-identical. The console lines (`Resuming at step
 ...`, the checkpoint warnings) are absl records, read with `caplog`.
 """
@@ -18,8 +17,6 @@ from tests.train.inproc import STEPS, tiny_run_config
 from zaya_jax.train import run
 
 N = STEPS // 2  # steps before the interruption; a checkpoint every N steps
-
-pytestmark = pytest.mark.usefixtures("persistent_compile_cache")
 
 
 def _config(mode: str | None = None, **train):

@@ -85,13 +85,12 @@ def test_unchanged_or_nothing_to_train_or_only_the_new_fields():
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("persistent_compile_cache")
 def test_resumed_run_through_the_loop(tmp_path):
   """End to end through `run`: a finished 6-step cosine run resumed with num_steps=9 is
   refused (nothing written), then "constant" trains steps 7-9 at the old final lr and
-  "stretch" (on a copy) at the schedule recomputed over 9 steps. The persistent compilation
-  cache (tests/conftest.py): "constant" keeps the 6-step horizon, so its steps are the first
-  run's programs, read back instead of compiled again."""
+  "stretch" (on a copy) at the schedule recomputed over 9 steps. The session's
+  persistent compilation cache (tests/conftest.py): "constant" keeps the 6-step horizon, so
+  its steps are the first run's programs, read back instead of compiled again."""
 
   work, copy = tmp_path / "a", tmp_path / "b"
   run(tiny_run_config(), str(work))
