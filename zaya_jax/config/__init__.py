@@ -19,7 +19,7 @@ from absl import logging
 from zaya_jax.data import DataConfig
 from zaya_jax.data.tokenizer import SPECIAL_IDS, tokenizer_mismatch
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.config.mesh import MeshConfig
+from zaya_jax.config.mesh import MeshConfig, check_context
 
 GROUPS = ("model", "data", "train", "checkpoint", "mesh", "balance")
 # Model fields that change how the model computes, not its parameters: they may differ
@@ -302,6 +302,10 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
   if train.eval_batches and data.eval_fraction == 0:
     raise ConfigError(f"train.eval_batches={train.eval_batches} but data.eval_fraction=0 holds "
                       "out no documents; set train.eval_batches=0 or data.eval_fraction > 0")
+  try:
+    check_context(mesh.context, train.seq_len, max(model.context_halo), model.attention_impl)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
   _check_tokenizer(model, data)
   return RunConfig(model=model, data=data, train=train, checkpoint=checkpoint, mesh=mesh,
                    balance=balance)
