@@ -26,6 +26,10 @@ GROUPS = ("model", "data", "train", "checkpoint", "mesh", "balance")
 # between a checkpoint and the run that resumes from it (tagged in ModelConfig's dataclass).
 COMPUTE_ONLY_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
                                   if f.metadata.get("compute_only"))
+# Model fields a resumed run (or `train.init_from` a checkpoint) may change although they are
+# architecture (HF config.json) fields: the RoPE bases, which no parameter depends on. Context
+# extension resumes a 4K run at 32K with a larger base (configs/zaya1_base_32k.py).
+RESUME_CHANGEABLE_MODEL_FIELDS = ("rope_theta", "rope_theta_sliding")
 # Fields that were replaced: `group.field` -> what to set instead (the error names it).
 RENAMED_FIELDS = {
     "model.kernels": "model.attention_impl / model.routing_impl / model.gmm_impl='pallas'",
