@@ -143,6 +143,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.data = 1  # pure data-parallel replicas
   mesh.fsdp = -1  # FSDP shards (params sharded on hidden dim); -1 = all remaining devices
   mesh.expert = 1  # expert-parallel shards; must divide model.num_experts
+  mesh.context = 1  # context-parallel shards: every sequence split into this many contiguous pieces of train.seq_len / context tokens (CCA: halo ppermute + K/V all-gather); must divide train.seq_len
 
   # --- balance: zaya_jax.config.BalanceConfig, the router balancing biases ------------------
   # Aux-loss-free balancing (zaya_jax/train/balance.py): the router picks argmax(softmax + b);

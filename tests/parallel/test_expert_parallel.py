@@ -364,7 +364,7 @@ def test_ragged_all_to_all_train_step_lowers(parity, mesh):
 @pytest.mark.multidevice
 def test_make_mesh_on_8_devices():
   assert dict(make_mesh(MeshConfig(data=2, fsdp=-1, expert=2)).shape) == {
-      "data": 2, "fsdp": 2, "expert": 2}
+      "data": 2, "fsdp": 2, "expert": 2, "context": 1}
   with pytest.raises(ValueError) as e:
     make_mesh(MeshConfig(3, -1, 1))
   assert "(3)" in str(e.value) and "8 devices" in str(e.value), e.value
@@ -383,10 +383,13 @@ def test_mesh_config_rejects_two_inferred_axes():
 def test_mesh_shape_not_dividing_devices():
   with pytest.raises(ValueError, match=r"\(3\) does not divide the 8 devices"):
     MeshConfig(data=3, fsdp=-1).shape(8)
-  assert MeshConfig(data=2, fsdp=-1, expert=2).shape(8) == {"data": 2, "fsdp": 2, "expert": 2}
+  assert MeshConfig(data=2, fsdp=-1, expert=2).shape(8) == {"data": 2, "fsdp": 2, "expert": 2,
+                                                            "context": 1}
 
 
 def abstract_mesh(shape):
+  """An AbstractMesh of (data, fsdp, expert[, context]) sizes (context default 1)."""
+  shape = tuple(shape) + (1,) * (len(MESH_AXES) - len(shape))
   return AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

@@ -8,7 +8,8 @@ the biases fixed before the step (the default "quantile" with `quantile_apply="n
 "pid", "sign", balancing off) shares one forward (`batch_balance_of` is None for all of them),
 so one compiled step covers them; the opt-in `quantile_apply="current"` (biases solved from the
 routed batch itself) is shown to break both properties, which is also the proof that the test
-can fail.
+can fail. With `mesh.context=2` (multidevice: 2 of the 8 fake CPU devices) the sequence is
+split at EARLY, so the first shard must not see the second one; the loss equals one device's.
 """
 
 import dataclasses
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 
 from zaya_jax.config import BalanceConfig, TrainConfig
+from zaya_jax.config.mesh import MeshConfig
+from zaya_jax.parallel.mesh import batch_sharding, make_mesh
 from zaya_jax.train import init_train_state, make_optimizer, make_schedule, train_step
 from zaya_jax.train.state import abstract_model
 from zaya_jax.train.step import batch_balance_of
@@ -39,7 +42,8 @@ def steps():
   make = lambda cfg: jax.jit(lambda s, b: train_step(graphdef, tx, make_schedule(train_cfg), s, b,
                                                      balance=cfg)[1]["loss"])
   return state, {"causal": make(BalanceConfig()),
-                 "current": make(BalanceConfig(quantile_apply="current"))}
+                 "current": make(BalanceConfig(quantile_apply="current")),
+                 "context": make(BalanceConfig())}  # traced under a context mesh only
 
 
 def _batch(seed):
@@ -100,3 +104,23 @@ def test_a_row_does_not_see_the_other_rows(steps):
   a = np.asarray(step["current"](state, _row0_only(batch)))
   b = np.asarray(step["current"](state, _row0_only(others)))
   assert a != b, "quantile_apply='current' became causal: update this test and README"
+
+
+@pytest.mark.multidevice
+def test_causal_under_context_parallelism(steps):
+  state, step = steps
+  mesh = make_mesh(MeshConfig(1, 1, 1, 2), devices=jax.devices()[:2])
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  batch = _batch(0)
+  later = _changed(batch, slice(None), slice(EARLY, None), seed=1)  # the whole second shard
+  others = _changed(batch, slice(1, None), slice(None), seed=3)
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(state, replicated)
+    loss = lambda b: np.asarray(step["context"](placed, jax.device_put(b, batch_sharding(mesh))))
+    a, b = loss(_early_only(batch)), loss(_early_only(later))
+    assert np.isfinite(a) and a == b, (a, b)
+    a, b = loss(_row0_only(batch)), loss(_row0_only(others))
+    assert np.isfinite(a) and a == b, (a, b)
+    full = loss(batch)
+  one = np.asarray(step["causal"](state, batch))
+  assert abs(full - one) <= 1e-5 * abs(one), (full, one)

@@ -210,7 +210,7 @@ def test_resume_on_another_mesh_matches(tmp_path, cache):
         p.wait()
 
   for name, (devices, mesh) in runs.items():
-    mesh_str = f"mesh {{'data': {mesh[0]}, 'fsdp': {mesh[1]}, 'expert': {mesh[2]}}}"
+    mesh_str = f"mesh {{'data': {mesh[0]}, 'fsdp': {mesh[1]}, 'expert': {mesh[2]}, 'context': 1}}"
     assert re.search(rf"Resuming at step {N}/{2 * N}: .* {devices} devices \(1 processes\), "
                      rf"{re.escape(mesh_str)}", outs[name]), outs[name][-4000:]
   ref = records(tmp_path / "ref")

@@ -16,7 +16,8 @@ import jax
 from absl import logging
 
 from zaya_jax.checkpoint.manager import CorruptCheckpointError
-from zaya_jax.config import COMPUTE_ONLY_MODEL_FIELDS, ConfigError, RunConfig, config_differences
+from zaya_jax.config import (COMPUTE_ONLY_MODEL_FIELDS, RESUME_CHANGEABLE_MODEL_FIELDS, ConfigError,
+                             RunConfig, config_differences)
 from zaya_jax.model import ModelConfig
 
 
@@ -28,17 +29,24 @@ def check_resumable(path: str, saved: dict[str, Any], config: RunConfig,
     path: the step directory, for the messages.
     saved: its `config` item (a RunConfig dict plus "runtime", maybe "reshape").
     config: the current run's config. Its `model` group must equal the saved one, except
-      for compute-only fields (`COMPUTE_ONLY_MODEL_FIELDS`, e.g. dtype, remat).
+      for compute-only fields (`COMPUTE_ONLY_MODEL_FIELDS`, e.g. dtype, remat) and the RoPE
+      bases (`RESUME_CHANGEABLE_MODEL_FIELDS`: context extension; a change is logged).
     items: `manager.saved_items` of the step.
 
   Raises:
     ConfigError: if the checkpoint was written for a different model config (naming the
       fields), or holds no optimizer state (`reshape_checkpoint --drop_optimizer`).
   """
-  diffs = config_differences(saved, config, "model", ignore=COMPUTE_ONLY_MODEL_FIELDS)
+  diffs = config_differences(saved, config, "model",
+                             ignore=COMPUTE_ONLY_MODEL_FIELDS + RESUME_CHANGEABLE_MODEL_FIELDS)
   if diffs:
     raise ConfigError(f"checkpoint {path} was written for another model: {'; '.join(diffs)}. "
                       "Use the same model config to resume, or a fresh --workdir.")
+  rope = [d for d in config_differences(saved, config, "model")
+          if d.split(":")[0].split(".")[1] in RESUME_CHANGEABLE_MODEL_FIELDS]
+  if rope:
+    logging.warning("resuming %s with other RoPE bases (%s): context extension; the "
+                    "parameters are kept", path, "; ".join(rope))
   if "opt_state" not in items:
     raise ConfigError(
         f"checkpoint {path} holds no optimizer state (written by launch.reshape_checkpoint "

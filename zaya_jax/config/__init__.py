@@ -19,13 +19,17 @@ from absl import logging
 from zaya_jax.data import DataConfig
 from zaya_jax.data.tokenizer import SPECIAL_IDS, tokenizer_mismatch
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.config.mesh import MeshConfig
+from zaya_jax.config.mesh import MeshConfig, check_context
 
 GROUPS = ("model", "data", "train", "checkpoint", "mesh", "balance")
 # Model fields that change how the model computes, not its parameters: they may differ
 # between a checkpoint and the run that resumes from it (tagged in ModelConfig's dataclass).
 COMPUTE_ONLY_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
                                   if f.metadata.get("compute_only"))
+# Model fields a resumed run (or `train.init_from` a checkpoint) may change although they are
+# architecture (HF config.json) fields: the RoPE bases, which no parameter depends on. Context
+# extension resumes a 4K run at 32K with a larger base (configs/zaya1_base_32k.py).
+RESUME_CHANGEABLE_MODEL_FIELDS = ("rope_theta", "rope_theta_sliding")
 # Fields that were replaced: `group.field` -> what to set instead (the error names it).
 RENAMED_FIELDS = {
     "model.kernels": "model.attention_impl / model.routing_impl / model.gmm_impl='pallas'",
@@ -302,6 +306,10 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
   if train.eval_batches and data.eval_fraction == 0:
     raise ConfigError(f"train.eval_batches={train.eval_batches} but data.eval_fraction=0 holds "
                       "out no documents; set train.eval_batches=0 or data.eval_fraction > 0")
+  try:
+    check_context(mesh.context, train.seq_len, max(model.context_halo), model.attention_impl)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
   _check_tokenizer(model, data)
   return RunConfig(model=model, data=data, train=train, checkpoint=checkpoint, mesh=mesh,
                    balance=balance)

@@ -1,7 +1,8 @@
 """The mesh's axis names and `MeshConfig`, its shape: data only, no JAX devices.
 
 Axes (`MESH_AXES`, in this order): `data` (pure replicas), `fsdp` (FSDP / ZeRO-3), `expert`
-(expert parallelism). The mesh itself, the logical-axis rules and shardings are
+(expert parallelism), `context` (context parallelism: the sequence dimension of activations,
+zaya_jax/parallel/context.py). The mesh itself, the logical-axis rules and shardings are
 `zaya_jax.parallel.mesh`.
 """
 
@@ -10,14 +11,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
-DATA, FSDP, EXPERT = "data", "fsdp", "expert"
-MESH_AXES = (DATA, FSDP, EXPERT)
+DATA, FSDP, EXPERT, CONTEXT = "data", "fsdp", "expert", "context"
+MESH_AXES = (DATA, FSDP, EXPERT, CONTEXT)  # context last: its neighbours are adjacent devices
 BATCH_AXES = (DATA, FSDP, EXPERT)  # every batch-like axis: the global batch splits over all
+# Axes that split the tokens M = B*T (B-major): the batch axes, then the sequence's `context`.
+# A `[B, T]` array sharded P(BATCH_AXES, CONTEXT) flattens to `[M]` sharded P(TOKEN_AXES).
+TOKEN_AXES = (DATA, FSDP, EXPERT, CONTEXT)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Mesh shape: devices along `data`, `fsdp`, `expert`. One of them may be -1 (inferred).
+  """Mesh shape: devices along `data`, `fsdp`, `expert`, `context`. One of them may be -1
+  (inferred). `context` splits every sequence into that many contiguous shards (default 1).
 
   Raises:
     ValueError: more than one -1, a size < 1, or a product that does not divide the device
@@ -27,6 +32,7 @@ class MeshConfig:
   data: int = 1
   fsdp: int = -1
   expert: int = 1
+  context: int = 1
 
   def __post_init__(self):
     sizes = dataclasses.asdict(self)
@@ -53,15 +59,43 @@ class MeshConfig:
 
 
 def parse_meshes(text: str) -> list[MeshConfig]:
-  """`"1,1,8;2,1,4"` -> MeshConfigs (data, fsdp, expert).
+  """`"1,1,8;2,1,4"` -> MeshConfigs (data, fsdp, expert[, context]; context default 1).
 
   Raises:
-    ValueError: for an entry that is not three comma-separated integers.
+    ValueError: for an entry that is not three or four comma-separated integers.
   """
   meshes = []
   for entry in filter(None, (e.strip() for e in text.split(";"))):
     sizes = [p.strip() for p in entry.split(",")]
-    if len(sizes) != 3 or not all(p.lstrip("-").isdigit() for p in sizes):
-      raise ValueError(f"--meshes entry {entry!r} must be three integers data,fsdp,expert")
+    if len(sizes) not in (3, 4) or not all(p.lstrip("-").isdigit() for p in sizes):
+      raise ValueError(f"--meshes entry {entry!r} must be three integers data,fsdp,expert "
+                       "(or four: data,fsdp,expert,context)")
     meshes.append(MeshConfig(*map(int, sizes)))
   return meshes
+
+
+def check_context(context: int, seq_len: int, halo: int, attention_impl: str) -> None:
+  """Fails if `seq_len` cannot be split into `context` shards that CCA can run on
+  (context parallelism, zaya_jax/parallel/context.py). `context == -1` (inferred from the
+  device count) is checked once the mesh is built.
+
+  Args:
+    context: `mesh.context`; seq_len: `train.seq_len`; halo: tokens of the previous shard
+      CCA reads (`max(ModelConfig.context_halo)`); attention_impl: `model.attention_impl`.
+  Raises:
+    ValueError: one line naming the field and the fix: `train.seq_len` not divisible by
+      `mesh.context`, a shard shorter than CCA's halo, or `model.attention_impl="pallas"`
+      (the kernel has no query block offset yet).
+  """
+  if context in (1, -1):
+    return
+  if seq_len % context:
+    raise ValueError(f"train.seq_len={seq_len} is not divisible by mesh.context={context}; "
+                     f"use a sequence length that is a multiple of {context}")
+  if seq_len // context < halo:
+    raise ValueError(f"train.seq_len={seq_len} / mesh.context={context} = {seq_len // context} "
+                     f"tokens per shard is shorter than CCA's halo of {halo} tokens "
+                     "(model.cca_time0 + model.cca_time1 - 2); use fewer context shards")
+  if attention_impl == "pallas":
+    raise ValueError("model.attention_impl='pallas' does not run under mesh.context > 1 yet "
+                     "(the kernel has no query block offset); set model.attention_impl='xla'")

@@ -124,6 +124,14 @@ class ModelConfig:
     return int(self.head_dim * self.partial_rotary_factor)
 
   @property
+  def context_halo(self) -> tuple[int, int]:
+    """`(conv_rows, value_rows)`: tokens before a sequence shard that CCA reads (context
+    parallelism). The depthwise conv (width W0) then the grouped conv (width W1) read inputs
+    back to `t - (W0 - 1) - (W1 - 1)`: W0 + W1 - 2 pre-convolution `[q0, k0]` rows; the
+    delayed value reads token t - 1: 1 row."""
+    return self.cca_time0 + self.cca_time1 - 2, 1
+
+  @property
   def attention_window(self) -> int | None:
     """Tokens a `hybrid_sliding` query sees, or None when no layer is a sliding one."""
     return self.sliding_window if "hybrid_sliding" in self.layer_types else None

@@ -21,11 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax.config.mesh import BATCH_AXES, CONTEXT
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.attention import shift_right, shifted_same_document
 from zaya_jax.model.layers import compute_dtype, normal, param, zeros
 from zaya_jax.model.rope import apply_rope
-from zaya_jax.ops.attention import attention, dot_product_attention
+from zaya_jax.ops.attention import attention, dot_product_attention, offset_attention_mask
+from zaya_jax.parallel.context import context_size, gather_sequence, previous_rows, shard_offset
 
 
 class CCA(nnx.Module):
@@ -81,8 +85,16 @@ class CCA(nnx.Module):
       out_BTJI = out_BTJI + jnp.einsum("BTJH,JHI->BTJI", d_BTJH, w_g[tap_g])
     return out_BTJI
 
-  def qkv(self, a_BTD: jax.Array, segment_ids_BT: jax.Array):
-    """CCA projection: returns q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, H]` (before QK-norm)."""
+  def qkv(self, a_BTD: jax.Array, segment_ids_BT: jax.Array, halo=None):
+    """CCA projection: returns q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, H]` (before QK-norm).
+
+    `halo`: None for a whole sequence; under context parallelism
+    `zaya_jax.parallel.context.previous_rows`, which returns the last n rows of the previous
+    sequence shard. The convolutions then run over `[W0 + W1 - 2 rows of the previous shard's
+    q0/k0, this shard]` and the delayed value reads the previous shard's last row; the
+    previous shard's segment ids come along, so a token of another document (or the zeros
+    shard 0 receives, segment 0) contributes nothing, exactly as inside one shard.
+    """
     cfg = self.cfg
     dtype = compute_dtype(cfg.dtype)
     n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -94,18 +106,29 @@ class CCA(nnx.Module):
     # Residual means: m = (q0 + k0 repeated to the query heads) / 2; the key path averages m
     # over each group of G query heads.
     m_BTKGH = (q0_BTNH.reshape(b, t, k, n // k, h) + k0_BTKH[:, :, :, None, :]) * 0.5
-    conv_BTJH = self.causal_conv(jnp.concatenate([q0_BTNH, k0_BTKH], axis=2), segment_ids_BT)
-    q_BTNH = conv_BTJH[:, :, :n] + m_BTKGH.reshape(b, t, n, h)
-    k_BTKH = conv_BTJH[:, :, n:] + jnp.mean(m_BTKGH, axis=3)
+    c_BTJH = jnp.concatenate([q0_BTNH, k0_BTKH], axis=2)
     # Values: current-token heads, then previous-token heads (whole kv heads each).
     v_cur = jnp.einsum("BTD,DKH->BTKH", a_BTD, self.v_proj_current[...].astype(dtype))
     v_cur = v_cur + self._bias("v_current_bias", dtype)
     v_del = jnp.einsum("BTD,DKH->BTKH", a_BTD, self.v_proj_delayed[...].astype(dtype))
     v_del_bias = self._bias("v_delayed_bias", dtype)
     v_del = v_del + v_del_bias
+    if halo is None:
+      conv_BTJH = self.causal_conv(c_BTJH, segment_ids_BT)
+      prev_ok = shifted_same_document(segment_ids_BT, 1)
+      v_prev = shift_right(v_del, 1)
+    else:
+      conv_rows, value_rows = cfg.context_halo
+      seg_rows = max(conv_rows, value_rows)
+      seg_ext = jnp.concatenate([halo(segment_ids_BT, seg_rows), segment_ids_BT], axis=1)
+      c_ext = jnp.concatenate([halo(c_BTJH, conv_rows), c_BTJH], axis=1)
+      conv_BTJH = self.causal_conv(c_ext, seg_ext[:, seg_rows - conv_rows:])[:, conv_rows:]
+      prev_ok = shifted_same_document(seg_ext, 1)[:, seg_rows:]
+      v_prev = jnp.concatenate([halo(v_del, value_rows), v_del], axis=1)[:, value_rows - 1:][:, :t]
+    q_BTNH = conv_BTJH[:, :, :n] + m_BTKGH.reshape(b, t, n, h)
+    k_BTKH = conv_BTJH[:, :, n:] + jnp.mean(m_BTKGH, axis=3)
     # A document's first token sees the delayed projection of a zero vector (its bias).
-    prev_ok = shifted_same_document(segment_ids_BT, 1)[:, :, None, None]
-    v_del = jnp.where(prev_ok, shift_right(v_del, 1), jnp.zeros_like(v_del) + v_del_bias)
+    v_del = jnp.where(prev_ok[:, :, None, None], v_prev, jnp.zeros_like(v_del) + v_del_bias)
     v_BTKH = jnp.concatenate([v_cur, v_del], axis=2)
     return q_BTNH, k_BTKH, v_BTKH
 
@@ -133,8 +156,13 @@ class CCA(nnx.Module):
                sliding: jax.Array | bool = False) -> jax.Array:
     """Args: `a_BTD` normed input; `segment_ids_BT` int32 (0 = pad); RoPE tables float32
     `[B, T, rotary_dim]`; `mask_BTS` this layer's bool attention mask (None with
-    `attention_impl="pallas"`, which masks from the segment ids); `sliding` bool []: a
-    sliding-window layer. Returns `[B, T, D]` in the compute dtype."""
+    `attention_impl="pallas"`, which masks from the segment ids, and under context
+    parallelism, where each shard builds its own); `sliding` bool []: a sliding-window layer.
+    Returns `[B, T, D]` in the compute dtype.
+
+    Under a mesh with `context` > 1 the block runs per sequence shard (`context_parallel`)."""
+    if context_size() > 1:
+      return self.context_parallel(a_BTD, segment_ids_BT, cos_BTP, sin_BTP, sliding)
     dtype = compute_dtype(self.cfg.dtype)
     q, k, v = self.qkv(a_BTD, segment_ids_BT)
     q, k = self.qk_norm(q, k)
@@ -143,6 +171,45 @@ class CCA(nnx.Module):
                        window=self.cfg.attention_window, sliding=sliding,
                        impl=self.cfg.attention_impl)
     return jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(dtype)) + self._bias("o_bias", dtype)
+
+  # --- Context parallelism (zaya_jax/parallel/context.py) ------------------------------------
+  def context_parallel(self, a_BTD: jax.Array, segment_ids_BT: jax.Array, cos_BTP: jax.Array,
+                       sin_BTP: jax.Array, sliding: jax.Array | bool = False) -> jax.Array:
+    """`__call__` with T split over the `context` mesh axis: one `jax.shard_map` over the mesh,
+    activations `P(BATCH_AXES, CONTEXT)`, this block's parameters replicated into it (an FSDP
+    shard is gathered at the boundary, its gradient reduce-scattered back).
+
+    Per shard (t = T / C tokens at global positions `[r t, (r + 1) t)`): the projections, the
+    convolutions with the previous shard's halo (`qkv(halo=previous_rows)`), QK-norm, RoPE
+    (tables of the global positions), then the local queries against the keys/values and
+    segment ids all-gathered over `context`, masked causally and by document at global
+    positions (`offset_attention_mask`), on the XLA path (`dot_product_attention`).
+    Equal to `__call__` on the whole sequence up to float summation order.
+    """
+    graphdef, state = nnx.split(self)
+    seq = lambda ndim: P(BATCH_AXES, CONTEXT, *(None,) * (ndim - 2))
+    window = self.cfg.attention_window
+    scale = self.cfg.head_dim ** -0.5
+
+    def shard(state, a_BtD, seg_Bt, cos_BtP, sin_BtP, sliding):
+      cca = nnx.merge(graphdef, state)
+      dtype = compute_dtype(cca.cfg.dtype)
+      q, k, v = cca.qkv(a_BtD, seg_Bt, halo=previous_rows)
+      q, k = cca.qk_norm(q, k)
+      q, k = apply_rope(q, cos_BtP, sin_BtP), apply_rope(k, cos_BtP, sin_BtP)
+      k_BSKH, v_BSKH, seg_BS = gather_sequence(k), gather_sequence(v), gather_sequence(seg_Bt)
+      offset = shard_offset(seg_Bt.shape[1])
+      mask_BtS = offset_attention_mask(seg_Bt, seg_BS, offset)
+      if window is not None:
+        mask_BtS = jnp.where(sliding, offset_attention_mask(seg_Bt, seg_BS, offset, window),
+                             mask_BtS)
+      o_BtNH = dot_product_attention(q, k_BSKH, v_BSKH, mask_BtS, scale=scale)
+      return (jnp.einsum("BTNH,NHD->BTD", o_BtNH, cca.o_proj[...].astype(dtype))
+              + cca._bias("o_bias", dtype))
+
+    return jax.shard_map(shard, in_specs=(P(), seq(3), seq(2), seq(3), seq(3), P()),
+                         out_specs=seq(3))(state, a_BTD, segment_ids_BT, cos_BTP, sin_BTP,
+                                           jnp.asarray(sliding))
 
   # --- Incremental decoding (zaya_jax/generate.py) --------------------------------------------
   def extend(self, a_BTD: jax.Array, cache: dict, start: jax.Array, cos_BTP: jax.Array,

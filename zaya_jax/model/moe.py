@@ -8,8 +8,8 @@ Both agree while the skip class cannot win (released checkpoints: skip bias -1).
 dropped by a capacity-limited dispatch is treated exactly like a skipped one.
 
 Under a device mesh (`jax.set_mesh`) with more than one device, dispatch, the experts and
-combine run per shard inside one `jax.shard_map`: tokens stay sharded over every batch axis,
-experts are split over `expert`, and the strategy is `ModelConfig.moe_dispatch`
+combine run per shard inside one `jax.shard_map`: tokens stay sharded over every batch axis
+and `context` (a sequence shard dispatches only its own tokens), experts are split over `expert`, and the strategy is `ModelConfig.moe_dispatch`
 (zaya_jax/parallel/dispatch.py). Without a mesh the same code runs with `LocalDispatch`.
 Matches: HF `ZayaSparseMoeBlock.forward`; spec §2 "Experts".
 """
@@ -25,13 +25,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.routing import gate_of
-from zaya_jax.config.mesh import BATCH_AXES, EXPERT
+from zaya_jax.config.mesh import EXPERT, TOKEN_AXES
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.experts import Experts
 from zaya_jax.model.router import Router
 from zaya_jax.ops.grouped_matmul import swiglu_experts
 from zaya_jax.ops.route import RouteResult
 from zaya_jax.ops.sharding import single_device
+from zaya_jax.parallel.context import token_order
 from zaya_jax.parallel.dispatch import LocalDispatch, make_dispatcher, resolve_dispatch
 
 
@@ -101,9 +102,9 @@ class MoE(nnx.Module):
     # zaya_jax.ops.sharding); without the checker, shard_map's transpose still sums the
     # replicated weights' gradients over the batch axes.
     kernel_gmm = self.gmm_impl == "pallas"
-    vary_axes = () if kernel_gmm else tuple(a for a in BATCH_AXES if a != EXPERT)
+    vary_axes = () if kernel_gmm else tuple(a for a in TOKEN_AXES if a != EXPERT)
     body = functools.partial(_experts_on_shard, dispatcher, self.gmm_impl, vary_axes=vary_axes)
-    tokens, experts = P(BATCH_AXES), P(EXPERT)
+    tokens, experts = P(TOKEN_AXES), P(EXPERT)  # context shards hold their own tokens
     return jax.shard_map(body, in_specs=(tokens, tokens, experts, experts, experts),
                          out_specs=(tokens, tokens), check_vma=not kernel_gmm)(x_MD, class_M, *weights)
 
@@ -119,14 +120,17 @@ class MoE(nnx.Module):
     """
     bsz, t, d = b_BTD.shape
     e = self.num_experts
-    x_MD = b_BTD.reshape(bsz * t, d)
-    real_M = (segment_ids_BT.reshape(-1) != 0).astype(jnp.float32)
+    # Tokens M in the order that keeps each device's tokens (its batch rows and, under
+    # context parallelism, its sequence shard) one block of M: the plain reshape without CP.
+    to_tokens, from_tokens = token_order(bsz, t)
+    x_MD = to_tokens(b_BTD)
+    real_M = to_tokens(segment_ids_BT != 0).astype(jnp.float32)
     route, r_MR, probs_MX, logits_MX, biases_X = self.router.route(
-        x_MD, r_prev_BTR.reshape(bsz * t, -1), with_logits=True, batch_balance=batch_balance,
+        x_MD, to_tokens(r_prev_BTR), with_logits=True, batch_balance=batch_balance,
         valid_M=real_M > 0)
     class_M, gate_M = route.class_M, route.gate_M
     if self.force_balanced_routing:  # debug: round-robin over experts, for throughput runs
-      class_M = jnp.arange(bsz * t, dtype=jnp.int32) % e
+      class_M = to_tokens(jnp.arange(bsz * t, dtype=jnp.int32).reshape(bsz, t)) % e
       gate_M = gate_of(probs_MX, class_M)
       route = None
     y_MD, dropped_M = self.expert_outputs(x_MD, class_M, route)
@@ -138,7 +142,7 @@ class MoE(nnx.Module):
     y_MD = y_MD * gate_M[:, None].astype(y_MD.dtype)
     counts_X = jnp.zeros((e + 1,), jnp.float32).at[class_M].add(real_M)
     dropped = jnp.sum(dropped_M * real_M)
-    out = MoEOutput(y_MD.reshape(bsz, t, d), r_MR.reshape(bsz, t, -1), counts_X, dropped)
+    out = MoEOutput(from_tokens(y_MD), from_tokens(r_MR), counts_X, dropped)
     if not router_stats:
       return out
     n_real = jnp.maximum(jnp.sum(real_M), 1.0)
@@ -147,5 +151,7 @@ class MoE(nnx.Module):
     stats = {"entropy": mean(entropy_M),
              "mean_probs": jnp.sum(probs_MX * real_M[:, None], axis=0) / n_real,
              "z2": mean(jnp.square(jax.nn.logsumexp(logits_MX, axis=-1))),
-             "probs": jax.lax.stop_gradient(probs_MX), "biases": biases_X}
+             # every token's probabilities in [B, T] order (matching the batch's flattened masks)
+             "probs": jax.lax.stop_gradient(from_tokens(probs_MX).reshape(bsz * t, -1)),
+             "biases": biases_X}
     return out._replace(stats=stats)

@@ -27,6 +27,7 @@ from zaya_jax.model.layers import RMSNorm, ResidualScale, compute_dtype, normal,
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.rope import rope_cos_sin
 from zaya_jax.ops.attention import attention_mask
+from zaya_jax.parallel.context import context_size
 
 
 class ZayaLayer(nnx.Module):
@@ -156,8 +157,9 @@ class ZayaForCausalLM(nnx.Module):
     x_BTD = self.embed(input_ids_BT)
 
     # Per-layer-type RoPE tables and masks, selected inside the scan by a per-layer flag.
-    # The Pallas attention kernel masks from the segment ids: no [B, T, S] masks then.
-    kernel_attention = cfg.attention_impl == "pallas"
+    # The Pallas attention kernel masks from the segment ids, and under context parallelism
+    # each sequence shard builds its own `[B, T/C, T]` mask: no global [B, T, S] masks then.
+    kernel_attention = cfg.attention_impl == "pallas" or context_size() > 1
     cos_f, sin_f = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta)
     mask_f = None if kernel_attention else attention_mask(segment_ids_BT)
     if cfg.attention_window is not None:

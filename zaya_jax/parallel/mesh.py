@@ -7,10 +7,11 @@ Mesh axes (`MESH_AXES`, in this order, all `AxisType.Auto`):
 | `data`    | pure replicas (DDP)       | batch                                                       |
 | `fsdp`    | FSDP / ZeRO-3             | batch; parameter dim `embed` (gathered for compute)         |
 | `expert`  | expert parallelism (EP)   | batch outside the MoE; experts inside it (tokens move by all-to-all) |
+| `context` | context parallelism (CP)  | the sequence dim of activations (zaya_jax/parallel/context.py) |
 
 Parameters carry logical axis names (zaya_jax/model/layers.py); `LOGICAL_RULES` resolves
-them. Activations shard on the batch axes (`BATCH_AXES`) directly, so params can shard on
-`embed` while activations shard on the batch.
+them. Activations shard on the batch axes (`BATCH_AXES`) and their sequence dim on `context`
+directly, so params can shard on `embed` while activations shard on the batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from zaya_jax.config.mesh import BATCH_AXES, DATA, EXPERT, FSDP, MESH_AXES, MeshConfig
+from zaya_jax.config.mesh import (BATCH_AXES, CONTEXT, DATA, EXPERT, FSDP, MESH_AXES, MeshConfig,
+                                  check_context)
 
 
 LOGICAL_RULES = (
@@ -61,8 +63,13 @@ def use_mesh(mesh: Mesh):
 
 
 def check_divisibility(mesh: Mesh, *, num_experts: int, hidden_size: int, batch_size: int,
-                       grad_accum_steps: int = 1) -> None:
+                       grad_accum_steps: int = 1, seq_len: int | None = None,
+                       halo: int = 1, attention_impl: str = "xla") -> None:
   """Fails at start if the mesh does not divide the model or the batch.
+
+  `seq_len` (None: not checked) with CCA's `halo` (`max(ModelConfig.context_halo)`) and
+  `attention_impl`: the `context` axis must split the sequence into shards CCA can run on
+  (`zaya_jax.config.mesh.check_context`).
 
   Raises:
     ValueError: naming the config field and both numbers, e.g. `model.num_experts=6 is not
@@ -84,6 +91,8 @@ def check_divisibility(mesh: Mesh, *, num_experts: int, hidden_size: int, batch_
     raise ValueError(f"train.batch_size={batch_size} / train.grad_accum_steps={grad_accum_steps} = "
                      f"{micro} sequences per micro-batch is not divisible by the {n} batch shards; "
                      f"use a micro-batch that is a multiple of {n} (fewer accumulation steps)")
+  if seq_len is not None:
+    check_context(s.get(CONTEXT, 1), seq_len, halo, attention_impl)
 
 
 def logical_to_spec(names) -> P:
@@ -127,8 +136,9 @@ def abstract_with_shardings(abstract_tree, shardings):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Sharding of `[B, T]` input batches: B over every batch axis."""
-  return NamedSharding(mesh, P(BATCH_AXES, None))
+  """Sharding of `[B, T]` input batches: B over every batch axis, T over `context` (if the
+  mesh has that axis)."""
+  return NamedSharding(mesh, P(BATCH_AXES, CONTEXT if CONTEXT in mesh.axis_names else None))
 
 
 def use_cpu_devices(num_devices: int) -> None:

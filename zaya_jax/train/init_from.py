@@ -26,7 +26,8 @@ from flax import nnx
 from zaya_jax.checkpoint import restore_model_state, saved_config
 from zaya_jax.checkpoint.manager import open_manager
 from zaya_jax.checkpoint.reshape import resolve_source
-from zaya_jax.config import COMPUTE_ONLY_MODEL_FIELDS, ConfigError, RunConfig, config_differences
+from zaya_jax.config import (COMPUTE_ONLY_MODEL_FIELDS, RESUME_CHANGEABLE_MODEL_FIELDS, ConfigError,
+                             RunConfig, config_differences)
 from zaya_jax.hf import load_pretrained
 from zaya_jax.hf.hf_config import ConvertError, architecture_differences, read_hf_config
 from zaya_jax.parallel.mesh import abstract_with_shardings
@@ -84,7 +85,8 @@ def initial_state(path: str, cfg: RunConfig, tx: optax.GradientTransformation,
   Args:
     path: the source (see the module docstring).
     cfg: this run's config; its `model` group must equal the source's (compute-only fields,
-      `COMPUTE_ONLY_MODEL_FIELDS`, aside; for an HF directory, every config.json field).
+      `COMPUTE_ONLY_MODEL_FIELDS`, and for a checkpoint the RoPE bases,
+      `RESUME_CHANGEABLE_MODEL_FIELDS`, aside; for an HF directory, every config.json field).
     tx: this run's optimizer (its state is initialised over the loaded parameters).
     abstract_state: this run's TrainState of ShapeDtypeStructs; state_sharding: its
       NamedShardings (every array is read or created directly in its sharding).
@@ -131,7 +133,8 @@ def _from_checkpoint(source: Source, cfg: RunConfig, target: nnx.State,
     raise ConfigError(f"{where}: cannot read the config of checkpoint {step_dir}: {e}") from e
   finally:
     manager.close()
-  diffs = config_differences(saved, cfg, "model", ignore=COMPUTE_ONLY_MODEL_FIELDS)
+  diffs = config_differences(saved, cfg, "model",
+                             ignore=COMPUTE_ONLY_MODEL_FIELDS + RESUME_CHANGEABLE_MODEL_FIELDS)
   if diffs:
     raise ConfigError(f"{where}: checkpoint {step_dir} was written for another model: "
                       f"{'; '.join(diffs)}. Use the source's model config.")

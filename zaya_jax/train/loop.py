@@ -89,7 +89,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
   try:
     mesh = make_mesh(cfg.mesh)
     check_divisibility(mesh, num_experts=cfg.model.num_experts, hidden_size=cfg.model.hidden_size,
-                       batch_size=train.batch_size, grad_accum_steps=train.grad_accum_steps)
+                       batch_size=train.batch_size, grad_accum_steps=train.grad_accum_steps,
+                       seq_len=train.seq_len, halo=max(cfg.model.context_halo),
+                       attention_impl=cfg.model.attention_impl)
   except ValueError as e:
     raise ConfigError(str(e)) from e
   # Signals are taken over before anything slow starts: a stop before or during the first
