@@ -61,8 +61,7 @@ def _placed(mesh, params, state, batch):
 
 @pytest.mark.slow
 @pytest.mark.multidevice
-def test_activation_memory_falls_with_context(fast_compile):
-  del fast_compile
+def test_activation_memory_falls_with_context():
   graphdef, params, state = nnx.split(random_model(CFG, seed=0), nnx.Param, ...)
   fn = _loss_and_grads(graphdef)
   abstract = lambda tree, sh: jax.tree.map(

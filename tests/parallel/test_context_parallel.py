@@ -111,9 +111,8 @@ def run(fn, params, model_state, batch, mesh=None):
 
 
 @pytest.fixture(scope="module")
-def cp(fast_compile):
+def cp():
   """The model, its jitted loss-and-gradient and the one-device reference on `make_batch()`."""
-  del fast_compile
   assert jax.device_count() >= 8, jax.devices()
   graphdef, params, state = nnx.split(random_model(CFG, seed=0), nnx.Param, ...)
   fn = loss_and_grads(graphdef)

@@ -27,8 +27,8 @@ def _run(tmp_path, name, workdir, devices, *extra, cache=None):
 
 
 @pytest.mark.slow
-def test_context_parallel_training_matches_one_device_and_resumes(tmp_path):
-  cache = tmp_path / "cache"
+def test_context_parallel_training_matches_one_device_and_resumes(tmp_path, compile_cache_dir):
+  cache = compile_cache_dir  # the session's (tests/conftest.py); single-process runs only
   _run(tmp_path, "ref", tmp_path / "ref", 1, "--config.mesh.data=1",
        f"--config.train.max_steps_per_run={STEPS}", cache=cache)
   _run(tmp_path, "cp8", tmp_path / "cp", 8, "--config.mesh.data=1", "--config.mesh.context=8",
