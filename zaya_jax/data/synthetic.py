@@ -31,8 +31,8 @@ BYTE_TOKENIZER = TokenizerInfo(name="byte", sha256="byte", vocab_size=259, bos_i
 
 def synthetic_tokens(doc_id: int, length: int, vocab_size: int) -> np.ndarray:
   """int32 [length]: made-up token ids of a document, in [3, vocab_size), distinct per id."""
-  return ((np.arange(length, dtype=np.int64) * 7 + doc_id) % (vocab_size - 3) + 3).astype(
-      np.int32)
+  start = doc_id % (vocab_size - 3)
+  return (np.arange(start, start + length, dtype=np.int32) % (vocab_size - 3) + 3)
 
 
 def lengths_manifest(shard_docs: Sequence[int], shard_tokens: Sequence[int],

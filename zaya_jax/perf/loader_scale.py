@@ -40,7 +40,9 @@ class ScaleResult:
     open_s, first_batch_s: reading the manifest + opening; index + first batch.
     resume_s: a fresh index + anchor + the batch at the resume row; resume_row: that row.
     walk_s: walking one epoch to find the true anchor (None: the anchor was estimated).
-    rows_per_s: rows assembled per second after the first batch, over `steps` batches.
+    rows_per_s: rows assembled per second after the first batch, over `steps` batches
+      (made-up tokens: the index and batch assembly, no record read).
+    index_rows_per_s: rows located per second (pieces only, no tokens), `steps` batches.
     rss_start_mib, rss_open_mib, rss_first_mib, rss_end_mib, peak_mib: VmRSS before opening,
       after open, after the first batch, at the end; VmHWM (the process's peak) at the end.
   """
@@ -57,6 +59,7 @@ class ScaleResult:
   resume_row: int
   walk_s: float | None
   rows_per_s: float
+  index_rows_per_s: float
   rss_start_mib: float
   rss_open_mib: float
   rss_first_mib: float
@@ -128,6 +131,10 @@ def measure_scale(documents: int, directory: str, *, seq_len: int = 4096, batch_
   for k in range(1, steps + 1):
     batch_at(rows, k * batch_size)
   rows_per_s = steps * batch_size / (time.perf_counter() - t)
+  t = time.perf_counter()
+  for r in range((steps + 1) * batch_size, (2 * steps + 1) * batch_size):
+    rows.row(r)
+  index_rows_per_s = steps * batch_size / (time.perf_counter() - t)
 
   epoch_rows = _expected_epoch_rows(corpus, cfg, seq_len)
   resume_row = int(0.95 * epoch_rows) // batch_size * batch_size
@@ -149,6 +156,7 @@ def measure_scale(documents: int, directory: str, *, seq_len: int = 4096, batch_
                      batch_size=batch_size, packing=packing, manifest_s=manifest_s,
                      open_s=open_s, first_batch_s=first_batch_s, resume_s=resume_s,
                      resume_row=resume_row, walk_s=walk_s, rows_per_s=rows_per_s,
+                     index_rows_per_s=index_rows_per_s,
                      rss_start_mib=rss_start, rss_open_mib=rss_open, rss_first_mib=rss_first,
                      rss_end_mib=rss_end, peak_mib=peak)
 
@@ -176,14 +184,14 @@ def _estimated_anchor(corpus, row: int, seq_len: int, packing: str) -> list[int]
 def format_scale(results: list[ScaleResult], required_rows_per_s: float | None = None) -> str:
   """A table: one line per result (times in s, memory in MiB, rows/s and x the need)."""
   head = (f"{'documents':>15} {'shards':>8} {'open s':>7} {'first s':>7} {'resume s':>8} "
-          f"{'walk s':>7} {'rows/s':>8} {'x need':>6} {'RSS start':>9} {'open':>6} "
+          f"{'walk s':>7} {'rows/s':>8} {'x need':>6} {'index rows/s':>12} {'RSS start':>9} {'open':>6} "
           f"{'first':>6} {'end':>6} {'peak':>6}")
   lines = [head]
   for r in results:
     need = f"{r.rows_per_s / required_rows_per_s:.1f}" if required_rows_per_s else "-"
     walk = f"{r.walk_s:.2f}" if r.walk_s is not None else "est."
     lines.append(f"{r.documents:>15,} {r.shards:>8,} {r.open_s:>7.2f} {r.first_batch_s:>7.2f} "
-                 f"{r.resume_s:>8.2f} {walk:>7} {r.rows_per_s:>8.0f} {need:>6} "
+                 f"{r.resume_s:>8.2f} {walk:>7} {r.rows_per_s:>8.0f} {need:>6} {r.index_rows_per_s:>12.0f} "
                  f"{r.rss_start_mib:>9.0f} {r.rss_open_mib:>6.0f} {r.rss_first_mib:>6.0f} "
                  f"{r.rss_end_mib:>6.0f} {r.peak_mib:>6.0f}")
   return "\n".join(lines)
