@@ -344,3 +344,15 @@ def test_v1_state_is_refused_naming_the_migration_or_restarted(corpus, caplog):
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
   state = restarted.get_state()
   assert (state["format"], state["global_batch"], state["next_row"]) == ("zaya-global-v2", 8, b)
+
+
+def test_checkpointer_reports_a_refused_data_state_as_a_config_error():
+  """A refused data position is a user error (one line, `launch.train`'s "invalid config"),
+  not a corrupt checkpoint: the checkpointer would try older steps and list them all."""
+  from zaya_jax.checkpoint.checkpointer import Checkpointer  # pylint: disable=import-outside-toplevel
+
+  def refuse():
+    raise global_iterator.DataStateError("data.v1_state=restart")
+
+  with pytest.raises(ConfigError, match="data.v1_state=restart"):
+    Checkpointer._phase(None, refuse, "reading the data position")  # pylint: disable=protected-access
