@@ -308,13 +308,13 @@ def test_resume_late_walks_from_the_saved_anchor(corpus):
   """A resumed iterator locates its rows from the state's anchor (the shard boundary before
   its row-shuffle window), not by walking every shard from row 0, and gives the same batches."""
   directory, _ = corpus
-  first = _iters(directory, processes=1, rows=32, shuffle_window=8)[0]
+  first = _iters(directory, processes=1, rows=32, shuffle_window=128)[0]
   for _ in range(15):  # 480 rows (of ~700 per epoch): past the first shard of 3
     next(first)
   state = first.get_state()
   (e, k, pair), = state["anchors"]
   assert k > 0 and 0 < pair <= state["next_row"] * T
-  resumed = _iters(directory, processes=1, rows=32, shuffle_window=8)[0]
+  resumed = _iters(directory, processes=1, rows=32, shuffle_window=128)[0]
   resumed.set_state(state)
   for _ in range(3):
     want, got = next(first), next(resumed)
