@@ -78,6 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.best_fit_window = 1024  # best_fit: documents per packing window
   d.long_documents = "truncate"  # best_fit: a document over seq_len+1 tokens is "truncate"d | "drop"ped
   d.verify_checksums = False  # prepared dirs: check every shard's sha256 at start (reads all shards)
+  d.v1_state = "refuse"  # prepared dirs: a data position saved before the bounded-memory index (zaya-global-v1): "refuse" | "restart" (data order from row 0)
 
   # --- train --------------------------------------------------------------------------------
   t = config.train = ml_collections.ConfigDict()

@@ -1,5 +1,6 @@
 """Loader throughput against the training step's need:
-`python -m launch.bench_loader --data=DIR [--seq_len=4096 --batch_size=32 --num_workers=0,1,2 --steps=20]`.
+`python -m launch.bench_loader --data=DIR [--seq_len=4096 --batch_size=32 --num_workers=0,1,2 --steps=20]`,
+or the index at scale: `python -m launch.bench_loader --synthetic_documents=10000000000`.
 
 Builds the training iterator exactly as launch.train does (`zaya_jax.data.make_train_iterator`
 on `data.source=--data`: a prepared directory or raw .txt/.jsonl/.json globs, or "stdlib")
@@ -8,6 +9,11 @@ must deliver at the scale of `--config` (default ZAYA1-base: train.batch_size x 
 --num_devices per device per step, over the roofline step time on --profile, x
 --devices_per_process), and the ratio loader/required (`zaya_jax.perf.loader`).
 The default --batch_size is the per-process share of that global batch.
+
+With --synthetic_documents=N (instead of --data) it measures the prepared-data index on N
+synthetic documents (`zaya_jax.perf.loader_scale`: a manifest from lengths alone, written to
+--synthetic_dir): open time, first batch, resume near the end of epoch 1, rows/s (and x the
+rows/s one process must deliver) and resident memory of this process.
 """
 
 import sys
@@ -17,7 +23,7 @@ from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.data import DataConfig
-from zaya_jax.perf import loader
+from zaya_jax.perf import loader, loader_scale
 from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
@@ -37,7 +43,16 @@ _PROFILE = flags.DEFINE_string("profile", "mi300x", "Accelerator profile of the 
 _DEVICES = flags.DEFINE_integer("num_devices", 64, "Devices of the training mesh.")
 _PER_PROCESS = flags.DEFINE_integer("devices_per_process", 8, "Devices one process feeds.")
 _SHUFFLE = flags.DEFINE_bool("shuffle_rows", True, "data.shuffle_rows: the row shuffle on or off.")
-flags.mark_flag_as_required("data")
+_SYNTHETIC = flags.DEFINE_integer("synthetic_documents", None, "Measure the index on this many "
+                                  "synthetic documents instead of reading --data.")
+_SYNTHETIC_DIR = flags.DEFINE_string("synthetic_dir", "/tmp/zaya_synthetic_corpus",
+                                     "Where the synthetic manifest.json is written.")
+_DOCS_PER_SHARD = flags.DEFINE_integer("docs_per_shard", 1 << 16, "Synthetic documents per shard.")
+_MEAN_TOKENS = flags.DEFINE_integer("mean_tokens", 1400, "Synthetic tokens per document, mean.")
+_EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.02, "data.eval_fraction (synthetic).")
+_PACKING = flags.DEFINE_enum("packing", "concat", ["concat", "best_fit"], "data.packing (synthetic).")
+_WALK = flags.DEFINE_bool("walk", True, "Synthetic: find the true resume anchor by walking "
+                          "epoch 1 (O(N)); --nowalk estimates it (for N where that is too slow).")
 
 
 def main(argv):
@@ -54,6 +69,19 @@ def main(argv):
                                 num_devices=_DEVICES.value,
                                 devices_per_process=_PER_PROCESS.value, seq_len=_SEQ.value)
     batch = _BATCH.value or need.batch_size * need.devices_per_process // need.num_devices
+    if _SYNTHETIC.value is not None:
+      result = loader_scale.measure_scale(
+          _SYNTHETIC.value, _SYNTHETIC_DIR.value, seq_len=need.seq_len, batch_size=batch,
+          steps=_STEPS.value, docs_per_shard=_DOCS_PER_SHARD.value,
+          mean_tokens=_MEAN_TOKENS.value, eval_fraction=_EVAL_FRACTION.value,
+          packing=_PACKING.value, walk=_WALK.value)
+      print(f"required: {need.per_process / need.seq_len:,.1f} rows/s of {need.seq_len} tokens "
+            "per process (ZAYA1-base step, see --data mode)")
+      print(loader_scale.format_scale([result], need.per_process / need.seq_len))
+      return
+    if _DATA.value is None:
+      raise ValueError("give --data=DIR (a prepared directory, raw globs or stdlib) or "
+                       "--synthetic_documents=N")
     data = DataConfig(source=_DATA.value, tokenizer=_TOKENIZER.value, shuffle_rows=_SHUFFLE.value)
     rates = [loader.measure_loader(data, seq_len=need.seq_len, batch_size=batch, num_workers=w,
                                    steps=_STEPS.value) for w in workers]

@@ -1,5 +1,7 @@
 """BestFitRows: whole documents per row, every train document once per epoch, grain's
-best-fit bins, random access without rebuilding, the truncate/drop rule."""
+best-fit bins, random access without rebuilding, the truncate/drop rule.
+
+The corpora are `LengthsCorpus` (lengths alone, 3 shards, the eval split by hash)."""
 
 import collections
 
@@ -8,17 +10,23 @@ import numpy as np
 import pytest
 
 from zaya_jax.data.best_fit import BestFitRows, best_fit_decreasing
+from zaya_jax.data.global_index import shard_documents
+from zaya_jax.data.synthetic import LengthsCorpus
 
 SEQ = 64
 
 
 @pytest.fixture(scope="module")
 def corpus():
+  """(pairs int [300] by global id, train ids, the LengthsCorpus)."""
   rng = np.random.default_rng(0)
-  lengths = rng.integers(1, 80, size=300)  # some over SEQ, some of 0 pairs below
+  lengths = rng.integers(1, 80, size=300)  # pairs: some over SEQ, some of 0 pairs below
   lengths[[3, 17]] = 0
-  train = np.arange(0, 300)[np.arange(300) % 10 != 0]  # every 10th is eval
-  return lengths, train
+  opened = LengthsCorpus(np.array_split(lengths + 1, 3), eval_fraction=0.1)
+  train = np.concatenate([opened.shard_first[s] + np.flatnonzero(opened.shard_split(s)[2])
+                          for s in range(3)])
+  assert 250 < train.size < 295
+  return lengths, train, opened
 
 
 def _epoch_rows(rows: BestFitRows, epoch: int = 0):
@@ -28,8 +36,8 @@ def _epoch_rows(rows: BestFitRows, epoch: int = 0):
 
 @pytest.mark.parametrize("rule", ["truncate", "drop"])
 def test_every_train_document_once_per_epoch_whole(corpus, rule):
-  lengths, train = corpus
-  rows = BestFitRows(lengths, train, seed=(1, 2), seq_len=SEQ, window=40, long_documents=rule)
+  lengths, train, opened = corpus
+  rows = BestFitRows(opened, seed=(1, 2), seq_len=SEQ, window=40, long_documents=rule)
   for epoch in (0, 1):
     docs = collections.Counter()
     for pieces in _epoch_rows(rows, epoch):
@@ -40,14 +48,14 @@ def test_every_train_document_once_per_epoch_whole(corpus, rule):
     want = {int(d) for d in train if lengths[d] > 0 and (rule == "truncate" or lengths[d] <= SEQ)}
     assert set(docs) == want and set(docs.values()) == {1}
   if rule == "drop":
-    assert rows.dropped_long == int((lengths[train] > SEQ).sum()) > 0
+    assert int((lengths[train] > SEQ).sum()) > 0  # some were dropped
 
 
 def test_epochs_differ_and_seed_decides(corpus):
-  lengths, train = corpus
-  a = BestFitRows(lengths, train, seed=(1, 2), seq_len=SEQ, window=40)
-  b = BestFitRows(lengths, train, seed=(1, 2), seq_len=SEQ, window=40)
-  c = BestFitRows(lengths, train, seed=(1, 3), seq_len=SEQ, window=40)
+  lengths, train, opened = corpus
+  a = BestFitRows(opened, seed=(1, 2), seq_len=SEQ, window=40)
+  b = BestFitRows(opened, seed=(1, 2), seq_len=SEQ, window=40)
+  c = BestFitRows(opened, seed=(1, 3), seq_len=SEQ, window=40)
   assert _epoch_rows(a, 0) != _epoch_rows(a, 1)
   assert [b.row(r) for r in range(50)] == [a.row(r) for r in range(50)]
   assert [c.row(r) for r in range(50)] != [a.row(r) for r in range(50)]
@@ -55,24 +63,25 @@ def test_epochs_differ_and_seed_decides(corpus):
 
 def test_random_access_equals_sequential(corpus):
   """A fresh index asked row r directly (a resume) gives what walking from 0 gives."""
-  lengths, train = corpus
-  walk = BestFitRows(lengths, train, seed=(5,), seq_len=SEQ, window=25)
+  lengths, train, opened = corpus
+  walk = BestFitRows(opened, seed=(5, 0), seq_len=SEQ, window=25)
   seq = [walk.row(r) for r in range(3 * walk.rows_per_epoch(0))]
   for r in (0, 7, len(seq) // 2, len(seq) - 1):
-    fresh = BestFitRows(lengths, train, seed=(5,), seq_len=SEQ, window=25)
+    fresh = BestFitRows(opened, seed=(5, 0), seq_len=SEQ, window=25)
     assert fresh.row(r) == seq[r]
-    e, w, _ = fresh.locate(r)
-    cums = fresh._cums  # pylint: disable=protected-access
-    assert len(cums) == e + 1 and len(cums[e]) == w + 2  # packed no further than row r
-  backwards = BestFitRows(lengths, train, seed=(5,), seq_len=SEQ, window=25)
+    e, s, _ = fresh.locate(r)
+    k = int(np.flatnonzero(fresh.order(e) == s)[0])
+    assert fresh.walk.shards_walked() == 4 * e + k + 2  # packed no further than row r's shard
+  backwards = BestFitRows(opened, seed=(5, 0), seq_len=SEQ, window=25)
   assert [backwards.row(r) for r in reversed(range(len(seq)))] == seq[::-1]
 
 
 def test_packs_lazily(corpus):
-  lengths, train = corpus
-  rows = BestFitRows(lengths, train, seed=(0,), seq_len=SEQ, window=10)
+  _, _, opened = corpus
+  rows = BestFitRows(opened, seed=(0, 0), seq_len=SEQ, window=10)
   rows.row(0)
-  assert len(rows._cums[0]) == 2  # pylint: disable=protected-access  # one window packed
+  assert rows.walk.shards_walked() == 2  # one shard packed: its start and end
+  assert len(rows._bins) == 1  # pylint: disable=protected-access
 
 
 def test_best_fit_decreasing_by_hand():
@@ -98,25 +107,26 @@ def _grain_bins(pairs: np.ndarray, capacity: int) -> list[list[int]]:
 
 def test_bins_equal_grains_best_fit(corpus):
   """One window of BestFitRows is exactly grain's packing of the same documents."""
-  lengths, train = corpus
-  rows = BestFitRows(lengths, train, seed=(9,), seq_len=SEQ, window=60)
-  e, w, _ = rows.locate(0)
-  docs = rows._perm(e)[:60]  # pylint: disable=protected-access
+  lengths, train, opened = corpus
+  rows = BestFitRows(opened, seed=(9, 0), seq_len=SEQ, window=60)
+  e, s, _ = rows.locate(0)
+  keep, _ = rows.packable(s)
+  docs = opened.shard_first[s] + shard_documents(opened, (9, 0), e, s, keep)[:60]
   pairs = np.minimum(lengths[docs], SEQ)
-  pairs = pairs[pairs > 0]
-  docs = docs[np.minimum(lengths[docs], SEQ) > 0]
+  assert (pairs > 0).all()
   grain_rows = [[int(docs[i]) for i in b] for b in _grain_bins(pairs, SEQ)]
   ours = [[d for d, _, _ in rows.row(r)] for r in range(len(grain_rows))]
   assert ours == grain_rows
   assert rows.rows_per_epoch(0) > len(grain_rows)  # the next window starts new rows
-  assert rows.locate(len(grain_rows)) == (0, 1, 0)
+  nxt = rows.locate(len(grain_rows))
+  assert nxt[:2] == (0, s) and nxt[2] == len(grain_rows)  # the shard's next window
 
 
 def test_padding_fraction_and_window_tightness(corpus):
-  lengths, train = corpus
+  lengths, train, opened = corpus
   pad = {}
   for window in (1, 8, 200):
-    rows = BestFitRows(lengths, train, seed=(3,), seq_len=SEQ, window=window)
+    rows = BestFitRows(opened, seed=(3, 0), seq_len=SEQ, window=window)
     n = rows.rows_per_epoch(0)
     fr = [rows.padding_fraction(r) for r in range(n)]
     used = sum(b - a for r in range(n) for _, a, b in rows.row(r))
@@ -128,10 +138,12 @@ def test_padding_fraction_and_window_tightness(corpus):
 
 
 def test_bad_arguments(corpus):
-  lengths, train = corpus
+  _, _, opened = corpus
   with pytest.raises(ValueError, match="long_documents='cut'"):
-    BestFitRows(lengths, train, (0,), SEQ, 8, long_documents="cut")
+    BestFitRows(opened, (0, 0), SEQ, 8, long_documents="cut")
+  with pytest.raises(ValueError, match="window"):
+    BestFitRows(opened, (0, 0), SEQ, 0)
+  nothing = BestFitRows(LengthsCorpus([np.array([101, 1])]), (0, 0), 8, 4,
+                        long_documents="drop")
   with pytest.raises(ValueError, match="no train document"):
-    BestFitRows(np.array([100, 0]), np.array([0, 1]), (0,), 8, 4, long_documents="drop")
-  with pytest.raises(ValueError, match="train ids outside"):
-    BestFitRows(lengths, np.array([300]), (0,), SEQ, 8)
+    nothing.row(0)

@@ -54,7 +54,7 @@ def test_same_losses_on_any_process_and_worker_count(tmp_path, prepared_dir, com
   assert codes == [0, 0], (tail(tmp_path, "proc0.log"), tail(tmp_path, "proc1.log"))
   state_file = two / "checkpoints" / "3" / "data_iter" / "process_1-of-2.json"
   state = json.loads(state_file.read_text())
-  assert state["format"] == "zaya-global-v1" and state["global_batch"] == 3, state
+  assert state["format"] == "zaya-global-v2" and state["global_batch"] == 3, state
   codes = wait_all([launch_devices(two, prepared_dir, 8, "--config.train.max_steps_per_run=2",
                                    "--config.data.num_workers=2", log=tmp_path / "resumed.log",
                                    cache_dir=compile_cache_dir)],

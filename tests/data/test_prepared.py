@@ -50,6 +50,15 @@ def _global(iters):
   return {k: np.concatenate([x[k] for x in parts]) for k in KEYS}
 
 
+def _split_ids(opened):
+  """(train ids, eval ids) int64, sorted: the split read shard by shard (O(N): tests only)."""
+  train = [opened.shard_first[s] + np.flatnonzero(opened.shard_split(s)[2])
+           for s in range(opened.num_shards)]
+  held = [opened.shard_first[s] + np.flatnonzero(~opened.shard_split(s)[2])
+          for s in range(opened.num_shards)]
+  return np.concatenate(train), np.concatenate(held)
+
+
 def _reference_rows(docs, order, num_rows):
   """Direct concat-and-cut of the documents in `order`: [num_rows, T] of each key."""
   inputs = np.concatenate([docs[d][:-1] for d in order])
@@ -69,33 +78,36 @@ def _reference_rows(docs, order, num_rows):
 def test_rows_are_the_epochs_concatenated_and_cut(corpus):
   directory, docs = corpus
   opened = prepared.PreparedCorpus(directory, 0.1)
-  pairs_per_epoch = int(opened.pairs[opened.train_ids].sum())
+  index = global_index.ConcatRows(opened, T, 5, SEED)
+  pairs_per_epoch = index.pairs_per_epoch()
   steps = -(-3 * pairs_per_epoch // (2 * P * b * T))  # 1.5 epochs: a row straddles epochs
   iters = _iters(directory, shuffle_rows=False)
   got = [_global(iters) for _ in range(steps)]
   got = {k: np.concatenate([g[k] for g in got]) for k in KEYS}
-  order = np.concatenate([global_index.epoch_order(opened.train_ids, 5, SEED, e)
-                          for e in range(2)])
+  order = np.concatenate([index.epoch_documents(e) for e in range(2)])
   want = _reference_rows(docs, order, steps * P * b)
   for k in KEYS:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-  assert sorted(order[:opened.train_ids.size]) == list(opened.train_ids)
-  assert not np.array_equal(order[:opened.train_ids.size], order[opened.train_ids.size:])
+  train_ids, _ = _split_ids(opened)
+  assert sorted(order[:train_ids.size]) == list(train_ids)
+  assert not np.array_equal(order[:train_ids.size], order[train_ids.size:])
 
 
 def test_every_train_document_once_per_epoch_across_processes(corpus):
   directory, docs = corpus
   opened = prepared.PreparedCorpus(directory, 0.1)
-  rows = global_index.ConcatRows(opened.pairs, opened.train_ids, T, 5, SEED)
-  epoch_rows = rows.pairs_per_epoch // T  # rows wholly inside epoch 0
+  rows = global_index.ConcatRows(opened, T, 5, SEED)
+  epoch_rows, tail = divmod(rows.pairs_per_epoch(), T)  # rows wholly inside epoch 0, the rest
   seen: dict[int, list[tuple[int, int]]] = {}
-  for r in range(epoch_rows):
+  for r in range(epoch_rows + 1):
+    left = T if r < epoch_rows else tail  # the straddling row: its first `tail` pairs
     for doc, start, stop in rows.row(r):
+      if left <= 0:
+        break
+      stop = min(stop, start + left)
+      left -= stop - start
       seen.setdefault(doc, []).append((start, stop))
-  tail = global_index.SequentialRows(opened.pairs, rows.epoch(0)[0], T).row(epoch_rows)
-  for doc, start, stop in tail:  # the rest of epoch 0 opens the straddling row
-    seen.setdefault(doc, []).append((start, stop))
-  assert sorted(seen) == list(opened.train_ids)
+  assert sorted(seen) == list(_split_ids(opened)[0])
   for doc, spans in seen.items():  # pieces of one document tile it exactly once, in order
     flat = [x for span in spans for x in span]
     assert flat[0] == 0 and flat[-1] == docs[doc].size - 1, (doc, spans)
@@ -103,7 +115,7 @@ def test_every_train_document_once_per_epoch_across_processes(corpus):
   # The two processes' slices of a global batch are disjoint rows of that index.
   a, c = _iters(directory, shuffle_rows=False)
   first_a, first_c = next(a), next(c)
-  want = _reference_rows(docs, rows.epoch(0)[0], 2 * b)["inputs"]
+  want = _reference_rows(docs, rows.epoch_documents(0), 2 * b)["inputs"]
   np.testing.assert_array_equal(first_a["inputs"], want[:b])
   np.testing.assert_array_equal(first_c["inputs"], want[b:])
 
@@ -132,7 +144,7 @@ def test_shuffled_rows_permute_each_window_on_any_process_count(corpus):
   row pairs of a batch share a document than without the shuffle."""
   directory, _ = corpus
   opened = prepared.PreparedCorpus(directory, 0.1)
-  plain = global_index.ConcatRows(opened.pairs, opened.train_ids, T, 5, SEED)
+  plain = global_index.ConcatRows(opened, T, 5, SEED)
   window = 16
   cfg = _cfg(directory, shuffle_window=window)
   assert global_iterator.shuffle_window(cfg, opened, T) == window  # below one epoch's rows
@@ -162,22 +174,25 @@ def test_shuffled_rows_permute_each_window_on_any_process_count(corpus):
 def test_eval_split_disjoint_and_process_independent(corpus):
   directory, docs = corpus
   opened = prepared.PreparedCorpus(directory, 0.1)
-  assert np.intersect1d(opened.train_ids, opened.eval_ids).size == 0
-  assert np.array_equal(np.union1d(opened.train_ids, opened.eval_ids), np.arange(len(docs)))
-  assert 0.04 < opened.eval_ids.size / len(docs) < 0.2
-  assert np.array_equal(prepared.PreparedCorpus(directory, 0.1).eval_ids, opened.eval_ids)
+  train_ids, eval_ids = _split_ids(opened)
+  assert np.intersect1d(train_ids, eval_ids).size == 0
+  assert np.array_equal(np.union1d(train_ids, eval_ids), np.arange(len(docs)))
+  assert 0.04 < eval_ids.size / len(docs) < 0.2
+  # The split is the per-document hash of the global id (unchanged from the first index).
+  np.testing.assert_array_equal(eval_ids, np.flatnonzero(
+      prepared.eval_scores(np.arange(len(docs))) < 0.1))
   cfg = _cfg(directory)
   one = data.make_eval_batches(cfg, seq_len=T, batch_size=P * b, max_batches=50)
   two = [data.make_eval_batches(cfg, seq_len=T, batch_size=b, max_batches=50, process_index=p,
                                 process_count=P) for p in range(P)]
   assert len(one) == len(two[0]) == len(two[1])
-  pairs = int(opened.pairs[opened.eval_ids].sum())
+  pairs = sum(docs[d].size - 1 for d in eval_ids)
   assert len(one) == -(-pairs // (P * b * T))
   for k in KEYS:
     np.testing.assert_array_equal(np.concatenate([x[k] for x in one]),
                                   np.concatenate([y[k] for pair in zip(*two) for y in pair]))
   tokens = np.concatenate([x["inputs"][x["loss_mask"] > 0] for x in one])
-  np.testing.assert_array_equal(tokens, np.concatenate([docs[d][:-1] for d in opened.eval_ids]))
+  np.testing.assert_array_equal(tokens, np.concatenate([docs[d][:-1] for d in eval_ids]))
   assert one[-1]["loss_mask"].sum() == pairs - (len(one) - 1) * P * b * T  # padded last batch
 
 
@@ -262,6 +277,11 @@ def test_bad_input_one_line_errors(corpus, tmp_path):
   raw = bytearray(shard.read_bytes())
   raw[len(raw) // 3] ^= 0xFF
   shard.write_bytes(bytes(raw))
+  held = tmp_path / "held"
+  write_prepared(held, stdlib_texts(5, 100), shards=1)
+  _one_line_error(r"data\.source=.*held.*holds no train token pair .*lower data\.eval_fraction",
+                  lambda: data.make_train_iterator(data.DataConfig(
+                      source=str(held), eval_fraction=0.9999), seq_len=T, batch_size=b, seed=0))
   make(altered)  # sizes agree: opened without data.verify_checksums
   _one_line_error(r"test-00000\.array_record: sha256 differs",
                   lambda: make(altered, verify_checksums=True))
@@ -295,8 +315,62 @@ def test_tokenizer_must_match_the_model(corpus, tmp_path):
 def test_console_summary_uses_the_manifest(corpus):
   from zaya_jax.train import console  # pylint: disable=import-outside-toplevel
   directory, docs = corpus
-  opened = prepared.PreparedCorpus(directory, 0.1)
   text = console.data_summary(_cfg(directory), 1000)
-  assert text.startswith(f"{directory}: {opened.train_ids.size:,} train documents")
-  assert text.endswith(f", {opened.eval_ids.size:,} eval documents")
+  n = len(docs)  # expected counts from the manifest: 0.9 and 0.1 of its documents
+  assert text.startswith(f"{directory}: ~{console.si(0.9 * n)} train documents")
+  assert text.endswith(f", ~{console.si(0.1 * n)} eval documents (of {n:,})")
   assert os.path.basename(directory) in text
+
+
+def test_resume_late_walks_from_the_saved_anchor(corpus):
+  """A resumed iterator locates its rows from the state's anchor (the shard boundary before
+  its row-shuffle window), not by walking every shard from row 0, and gives the same batches."""
+  directory, _ = corpus
+  first = _iters(directory, processes=1, rows=32, shuffle_window=128)[0]
+  for _ in range(15):  # 480 rows (of ~700 per epoch): past the first shard of 3
+    next(first)
+  state = first.get_state()
+  (e, k, pair), = state["anchors"]
+  assert k > 0 and 0 < pair <= state["next_row"] * T
+  resumed = _iters(directory, processes=1, rows=32, shuffle_window=128)[0]
+  resumed.set_state(state)
+  for _ in range(3):
+    want, got = next(first), next(resumed)
+    for key in KEYS:
+      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  walk = resumed.rows.rows.rows.walk  # SingleSource -> ShuffledRows -> ConcatRows
+  starts = {seg.bounds[0]: seg for seg in walk._segments}  # pylint: disable=protected-access
+  assert (starts[pair].epoch, starts[pair].k0) == (e, k)
+  assert len(starts[0].bounds) <= 2  # from row 0: only row 0's shard (the open-time check)
+
+
+def test_v1_state_is_refused_naming_the_migration_or_restarted(corpus, caplog):
+  directory, _ = corpus
+  v1 = {"format": "zaya-global-v1", "global_batch": 7, "next_row": 7 * b, "seq_len": T,
+        "data": {}}
+  it = _iters(directory, processes=1)[0]
+  _one_line_error(r"zaya-global-v1 state .*--config\.data\.v1_state=restart",
+                  lambda: it.set_state(v1))
+  with pytest.raises(ValueError, match="must be 'refuse' or 'restart'"):
+    _cfg(directory, v1_state="continue")
+  restarted = _iters(directory, processes=1, v1_state="restart")[0]
+  with caplog.at_level("WARNING"):
+    restarted.set_state(v1)
+  assert any("restarts at row 0" in r.getMessage() for r in caplog.records)
+  want, got = next(_iters(directory, processes=1)[0]), next(restarted)  # row 0 again
+  for key in KEYS:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  state = restarted.get_state()
+  assert (state["format"], state["global_batch"], state["next_row"]) == ("zaya-global-v2", 8, b)
+
+
+def test_checkpointer_reports_a_refused_data_state_as_a_config_error():
+  """A refused data position is a user error (one line, `launch.train`'s "invalid config"),
+  not a corrupt checkpoint: the checkpointer would try older steps and list them all."""
+  from zaya_jax.checkpoint.checkpointer import Checkpointer  # pylint: disable=import-outside-toplevel
+
+  def refuse():
+    raise global_iterator.DataStateError("data.v1_state=restart")
+
+  with pytest.raises(ConfigError, match="data.v1_state=restart"):
+    Checkpointer._phase(None, refuse, "reading the data position")  # pylint: disable=protected-access

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from zaya_jax.data.best_fit import BestFitRows
-from zaya_jax.data.global_index import ConcatRows, SequentialRows
+from zaya_jax.data.global_index import ConcatRows
 from zaya_jax.data.mixture import MixedRows
 from zaya_jax.data.row_shuffle import ShuffledRows
+from zaya_jax.data.synthetic import LengthsCorpus
 
 SEEDS = 50
 THREADS = 4
@@ -36,18 +37,15 @@ HANG_BOUND_S = 600.0  # for all 50 seeds of one kind; a pass takes ~1-3 s idle, 
 def _corpus(seed: int):
   rng = np.random.default_rng(seed)
   pairs = rng.integers(0, 3 * SEQ // 2, size=90)  # some of 0 pairs, some over SEQ
-  ids = np.arange(pairs.size)
-  return pairs, ids[ids % 5 != 0], ids[ids % 5 == 0]
+  return LengthsCorpus(np.array_split(pairs + 1, 3), eval_fraction=0.2)  # 3 shards
 
 
 def _best_fit(seed):
-  pairs, train, _ = _corpus(seed)
-  return BestFitRows(pairs, train, seed=(seed, 1), seq_len=SEQ, window=16)
+  return BestFitRows(_corpus(seed), seed=(seed, 1), seq_len=SEQ, window=16)
 
 
 def _concat(seed):
-  pairs, train, _ = _corpus(seed)
-  return ConcatRows(pairs, train, SEQ, shuffle_seed=seed, train_seed=1)
+  return ConcatRows(_corpus(seed), SEQ, shuffle_seed=seed, train_seed=1)
 
 
 def _mixed(seed):
@@ -58,30 +56,22 @@ def _shuffled(seed):  # data.shuffle_rows over best_fit: stateless itself, its i
   return ShuffledRows(_best_fit(seed), 7, (seed, 1))
 
 
-def _eval(seed):
-  pairs, _, held_out = _corpus(seed)
-  return SequentialRows(pairs, held_out, SEQ)
-
-
 def _rows_spanning_epochs(kind: str, seed: int) -> int:
-  """Rows to ask for: past EPOCHS[kind] epoch boundaries of every source (eval: past its
-  end)."""
-  if kind == "eval":
-    return _eval(seed).num_rows + 3
+  """Rows to ask for: past EPOCHS[kind] epoch boundaries of every source."""
   epochs = EPOCHS[kind]
-  concat_rows = -(-epochs * _concat(seed).pairs_per_epoch // SEQ) + 1
+  concat_rows = -(-epochs * _concat(seed).pairs_per_epoch() // SEQ) + 1
   if kind == "concat":
     return concat_rows
   b = _best_fit(seed)
   best_fit_rows = sum(b.rows_per_epoch(e) for e in range(epochs)) + 1
   if kind in ("best_fit", "shuffled"):
     return best_fit_rows
-  concat_rows = -(-epochs * _concat(seed + 1000).pairs_per_epoch // SEQ) + 1
+  concat_rows = -(-epochs * _concat(seed + 1000).pairs_per_epoch() // SEQ) + 1
   return int(max(best_fit_rows / 0.6, concat_rows / 0.4)) + 2  # mixed: 0.6 / 0.4 of the rows
 
 
-MAKE = {"best_fit": _best_fit, "concat": _concat, "mixed": _mixed, "eval": _eval,
-        "shuffled": _shuffled}
+# (Eval rows are a one-pass generator, `global_index.eval_rows`, read by one thread.)
+MAKE = {"best_fit": _best_fit, "concat": _concat, "mixed": _mixed, "shuffled": _shuffled}
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from zaya_jax.checkpoint.manager import (CHECKSUMMED_ITEMS, CorruptCheckpointErr
                                          open_manager, saved_config, saved_items,
                                          silence_abandoned_reads, verify_items)
 from zaya_jax.config import CheckpointConfig, ConfigError, RunConfig
+from zaya_jax.data import global_iterator
 
 CORRUPT_SUFFIX = "_corrupt"  # bad steps of `<dir>` are moved to `<dir>_corrupt/<step>`
 
@@ -231,6 +232,8 @@ class Checkpointer:
       result = fn()
     except ConfigError:
       raise
+    except global_iterator.DataStateError as e:  # a refused data position: a user error
+      raise ConfigError(str(e)) from e
     except Exception as e:  # Orbax and TensorStore raise many types for bad files.
       error = e
       silence_abandoned_reads()

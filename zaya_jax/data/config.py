@@ -61,6 +61,11 @@ class DataConfig:
   # seq_len + 1 tokens, or "drop"ped.
   long_documents: str = "truncate"
   verify_checksums: bool = False  # check every shard's sha256 at start (reads the whole corpus)
+  # A checkpointed data position of prepared corpora written before the bounded-memory index
+  # (format zaya-global-v1, issue 27) addresses another document order: "refuse" (stop with
+  # one line) | "restart" (resume the model, optimizer and step; the data order restarts at
+  # row 0 of this index).
+  v1_state: str = "refuse"
 
   def __post_init__(self):
     if not self.source.strip():
@@ -93,6 +98,8 @@ class DataConfig:
         self.shuffle_window, int) or self.shuffle_window < 1:
       raise ValueError(f"data.shuffle_window={self.shuffle_window!r} must be an integer >= 1 "
                        "(rows per row-shuffle window, e.g. 10000).")
+    if self.v1_state not in ("refuse", "restart"):
+      raise ValueError(f"data.v1_state={self.v1_state!r} must be 'refuse' or 'restart'.")
     if self.best_fit_window < 1:
       raise ValueError(f"data.best_fit_window={self.best_fit_window} must be >= 1 (documents "
                        "per packing window).")

@@ -1,6 +1,6 @@
 """The global sample index: global row r -> the document pieces that fill it.
 
-# Shapes: N documents of a prepared corpus, T sequence length (seq_len).
+# Shapes: S shards of a prepared corpus, n documents of one shard, T sequence length.
 
 A row is a list of pieces `(doc_id, start, stop)` in *pair* coordinates of the document: with
 ids = the document's record (bos/eos included), the piece contributes inputs = ids[start:stop]
@@ -9,26 +9,40 @@ before packing, as in zaya_jax/data/pipeline.py) and 0 <= start < stop <= n. The
 row fill it in order; their sizes sum to at most T (less = padding at the end of the row).
 
 Rows are a function of (the corpus, the split, the seeds, T, r) only, computed by random
-access and never by iterating: so the global batch at step s is rows [s*B, (s+1)*B) whatever
-the number of processes, devices or loader workers (`zaya_jax.data.global_iterator`).
+access and never by iterating the corpus: so the global batch at step s is rows
+[s*B, (s+1)*B) whatever the number of processes, devices or loader workers
+(`zaya_jax.data.global_iterator`).
 
-`ConcatRows` is "concat" packing of the training documents, epoch after epoch: epoch e's
-order is a permutation of the train ids drawn from
-`np.random.default_rng([shuffle_seed, train_seed, e])`; the stream is epoch 0's documents'
-pairs, then epoch 1's, ...; row r is pairs [r*T, (r+1)*T) of it (it may straddle an epoch
-boundary; a continuation opens the next row as a new segment). `SequentialRows` is the same
-cut of a fixed document list, finite (eval). Other packings (best_fit) and mixtures implement
-the same `RowIndex` protocol.
+`ConcatRows` is "concat" packing of the training documents, epoch after epoch. Epoch e's
+document order is two-level, so that no per-document array of the corpus is ever built:
+  * the shards in the order `np.random.default_rng([shuffle_seed, train_seed, e, 0])
+    .permutation(S)`;
+  * within shard s, its train documents in the order of
+    `default_rng([shuffle_seed, train_seed, e, 1, s]).permutation(n)` (materialised for the
+    shard being read only: 16 bytes per document of one shard, a few shards cached).
+The stream is epoch 0's documents' pairs, then epoch 1's, ...; row r is pairs
+[r*T, (r+1)*T) of it (it may straddle shard and epoch boundaries; a continuation opens the
+next row as a new segment). The shard holding pair p is found by `shard_walk.ShardWalk`
+(per-shard train pair counts, read when a shard is first needed; anchors let a resume start
+late without walking from pair 0). Every train document is in every epoch exactly once; the
+data-state row shuffle (`row_shuffle`) then mixes rows within windows.
+
+`eval_rows` is the same cut of the held-out documents in id order, once (finite).
 """
 
 from __future__ import annotations
 
+import collections
 import threading
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import numpy as np
 
+from zaya_jax.data.shard_walk import Anchor, ShardWalk
+
 Piece = tuple[int, int, int]  # (doc_id, start, stop): pairs [start, stop) of the document
+_CACHED_STREAMS = 4  # (epoch, shard) document streams kept
+_CACHED_ORDERS = 2  # epochs' shard orders kept
 
 
 class RowIndex(Protocol):
@@ -36,7 +50,8 @@ class RowIndex(Protocol):
 
   `row` must be safe to call from several threads at once (grain's prefetch threads share
   one index) and the index picklable (grain's worker processes get a copy): an index with
-  caches guards them with a lock, which its pickled state leaves out.
+  caches guards them with a lock, which its pickled state leaves out. `anchor(r)` /
+  `add_anchor(a)` save and restore a position to start from (JSON-able list of ints).
   """
 
   seq_len: int
@@ -45,30 +60,39 @@ class RowIndex(Protocol):
     """The pieces of global row r (empty: a row of padding, e.g. past the end of eval)."""
 
 
-def epoch_order(train_ids: np.ndarray, shuffle_seed: int, train_seed: int,
-                epoch: int) -> np.ndarray:
-  """int64 [len(train_ids)]: epoch `epoch`'s document order, a permutation of `train_ids`."""
-  rng = np.random.default_rng([shuffle_seed, train_seed, epoch])
-  return rng.permutation(np.asarray(train_ids, dtype=np.int64))
+def shard_order(num_shards: int, seeds: tuple[int, int], epoch: int) -> np.ndarray:
+  """int64 [S]: the shards of epoch `epoch` in stream order (module docstring)."""
+  return np.random.default_rng([*seeds, epoch, 0]).permutation(num_shards)
 
 
-def _cut(order: np.ndarray, ends: np.ndarray, pairs: np.ndarray, offset: int,
-         want: int) -> tuple[list[Piece], int]:
-  """Up to `want` pairs of the stream `order` from stream pair `offset` on.
+def shard_documents(corpus, seeds: tuple[int, int], epoch: int, s: int,
+                    keep: np.ndarray) -> np.ndarray:
+  """int64 [m]: local indices of shard s's documents with keep[i] (bool [n]), in epoch
+  `epoch`'s order within the shard (module docstring)."""
+  local = np.random.default_rng([*seeds, epoch, 1, s]).permutation(int(corpus.shard_docs[s]))
+  return local[keep[local]]
 
-  `ends` = cumsum(pairs[order]) (int64). Returns (pieces, pairs taken); fewer than `want`
-  only when the stream ends. Documents without pairs are skipped.
+
+def cut(docs: np.ndarray, ends: np.ndarray, offset: int, want: int) -> tuple[list[Piece], int]:
+  """Up to `want` pairs of a stream from its pair `offset` on.
+
+  Args:
+    docs: int64 [m] global ids of the stream's documents, in order.
+    ends: int64 [m] cumulative pairs (ends[k] = pairs of docs[:k + 1]).
+
+  Returns (pieces, pairs taken); fewer than `want` only when the stream ends. Documents
+  without pairs are skipped.
   """
   pieces: list[Piece] = []
   taken = 0
   k = int(np.searchsorted(ends, offset, side="right"))
-  while taken < want and k < order.size:
-    doc = int(order[k])
+  while taken < want and k < docs.size:
     end = int(ends[k])
-    start = int(pairs[doc]) - (end - offset)
+    begin = int(ends[k - 1]) if k else 0
     size = min(want - taken, end - offset)
     if size > 0:
-      pieces.append((doc, start, start + size))
+      start = offset - begin
+      pieces.append((int(docs[k]), start, start + size))
       taken += size
       offset += size
     k += 1
@@ -79,41 +103,69 @@ class ConcatRows:
   """"concat" packing of the train documents over endless reshuffled epochs (module doc).
 
   Args:
-    pairs: int64 [N] pairs of each document (lengths - 1, floored at 0).
-    train_ids: int64 [n_train] global ids of the training documents.
+    corpus: a `prepared.PreparedCorpus` (or any object with its `num_shards`, `shard_docs`,
+      `shard_first`, `shard_split`).
     seq_len: T.
-    shuffle_seed, train_seed: the seeds of every epoch's permutation.
+    shuffle_seed, train_seed: the seeds of every epoch's order.
 
   Raises:
-    ValueError: if the train documents hold no pair at all.
+    ValueError: (from `row`) if an epoch's train documents hold no pair at all.
   """
 
-  def __init__(self, pairs: np.ndarray, train_ids: np.ndarray, seq_len: int,
-               shuffle_seed: int, train_seed: int):
+  def __init__(self, corpus, seq_len: int, shuffle_seed: int, train_seed: int):
     if seq_len < 1:
       raise ValueError(f"seq_len={seq_len} must be >= 1.")
-    self.pairs = np.asarray(pairs, dtype=np.int64)
-    self.train_ids = np.asarray(train_ids, dtype=np.int64)
-    self.seq_len = seq_len
-    self.seeds = (shuffle_seed, train_seed)
-    self.pairs_per_epoch = int(self.pairs[self.train_ids].sum())
-    if self.pairs_per_epoch == 0:
-      raise ValueError(f"the {self.train_ids.size} train documents hold no token pair "
-                       "(every document has < 2 tokens); add documents or lower "
-                       "data.eval_fraction.")
-    self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    self._lock = threading.Lock()  # grain's prefetch threads share the cache
+    self.corpus = corpus
+    self.seq_len = int(seq_len)
+    self.seeds = (int(shuffle_seed), int(train_seed))
+    self._pairs = np.full(corpus.num_shards, -1, np.int64)  # train pairs per shard, -1 unread
+    self.walk = ShardWalk(corpus.num_shards, self.order, self.shard_pairs, "train token pair")
+    self._reset()
 
-  def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
-    """(order, ends) of epoch e: its permutation and cumsum of its pairs (cached, 2 kept).
-    Thread-safe."""
+  def _reset(self) -> None:
+    self._lock = threading.Lock()
+    self._orders: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+    self._streams: collections.OrderedDict[tuple[int, int], tuple] = collections.OrderedDict()
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_orders", "_streams")}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._reset()
+
+  def order(self, e: int) -> np.ndarray:
+    """Epoch e's shard order (cached for 2 epochs). Thread-safe."""
     with self._lock:
-      if e not in self._epochs:
-        if len(self._epochs) >= 2:
-          del self._epochs[min(self._epochs)]
-        order = epoch_order(self.train_ids, *self.seeds, e)
-        self._epochs[e] = (order, np.cumsum(self.pairs[order]))
-      return self._epochs[e]
+      if e not in self._orders:
+        self._orders[e] = shard_order(self.corpus.num_shards, self.seeds, e)
+        while len(self._orders) > _CACHED_ORDERS:
+          self._orders.popitem(last=False)
+      return self._orders[e]
+
+  def shard_pairs(self, e: int, s: int) -> int:  # pylint: disable=unused-argument
+    """Train pairs of shard s (the same every epoch; read once, kept: 8 bytes per shard)."""
+    if self._pairs[s] < 0:
+      _, pairs, train = self.corpus.shard_split(s)
+      self._pairs[s] = int(pairs[train].sum())
+    return int(self._pairs[s])
+
+  def stream(self, e: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """(global ids int64 [m], cumulative pairs int64 [m]) of shard s's train documents in
+    epoch e's order (a few cached). Thread-safe."""
+    key = (e, s)
+    with self._lock:
+      if key in self._streams:
+        self._streams.move_to_end(key)
+        return self._streams[key]
+    _, pairs, train = self.corpus.shard_split(s)
+    local = shard_documents(self.corpus, self.seeds, e, s, train)
+    out = (local + self.corpus.shard_first[s], np.cumsum(pairs[local]))
+    with self._lock:
+      self._streams[key] = out
+      while len(self._streams) > _CACHED_STREAMS:
+        self._streams.popitem(last=False)
+    return out
 
   def row(self, r: int) -> list[Piece]:
     """Pairs [r*T, (r+1)*T) of the endless stream, as pieces."""
@@ -121,41 +173,50 @@ class ConcatRows:
     pieces: list[Piece] = []
     want = self.seq_len
     while want:
-      e, offset = divmod(position, self.pairs_per_epoch)
-      got, taken = _cut(*self.epoch(e), self.pairs, offset, want)
+      e, _, s, offset, size = self.walk.locate(position)
+      got, taken = cut(*self.stream(e, s), offset, min(want, size - offset))
       pieces += got
       want -= taken
       position += taken
     return pieces
 
-  def __getstate__(self):
-    state = {**self.__dict__, "_epochs": {}}
-    del state["_lock"]  # a lock does not pickle; the copy gets its own
-    return state
+  def anchor(self, r: int) -> list[int]:
+    """A position at or before row r to resume from: [epoch, shard position, first pair]."""
+    return list(self.walk.anchor(r * self.seq_len))
 
-  def __setstate__(self, state):
-    self.__dict__.update(state)
-    self._lock = threading.Lock()
+  def add_anchor(self, anchor: Anchor) -> None:
+    """Makes a saved `anchor(...)` known (rows from it on need no walk from row 0)."""
+    self.walk.add_anchor(anchor)
+
+  def pairs_per_epoch(self) -> int:
+    """Train pairs of one epoch. Reads every shard's lengths: O(N), for tests and reports."""
+    return sum(self.shard_pairs(0, s) for s in range(self.corpus.num_shards))
+
+  def epoch_documents(self, e: int) -> np.ndarray:
+    """int64 [train documents]: epoch e's document order. O(N): for tests only."""
+    return np.concatenate([self.stream(e, int(s))[0] for s in self.order(e)])
 
 
-class SequentialRows:
-  """"concat" packing of `doc_ids` in the given order, once: rows past the end are empty.
-
-  Args:
-    pairs: int64 [N] pairs of each document; doc_ids: the documents, in stream order.
-    seq_len: T.
-
-  Attributes:
-    num_rows: rows holding at least one pair (ceil(total pairs / T)).
-  """
-
-  def __init__(self, pairs: np.ndarray, doc_ids: np.ndarray, seq_len: int):
-    self.pairs = np.asarray(pairs, dtype=np.int64)
-    self.order = np.asarray(doc_ids, dtype=np.int64)
-    self.seq_len = seq_len
-    self.ends = np.cumsum(self.pairs[self.order])
-    total = int(self.ends[-1]) if self.ends.size else 0
-    self.num_rows = -(-total // seq_len)
-
-  def row(self, r: int) -> list[Piece]:
-    return _cut(self.order, self.ends, self.pairs, r * self.seq_len, self.seq_len)[0]
+def eval_rows(corpus, seq_len: int) -> Iterator[list[Piece]]:
+  """The held-out documents of `corpus` in id order, concat-packed into rows of `seq_len`
+  pairs, once: yields each row's pieces (the last row may be short). Reads shards in order,
+  only as far as the rows taken."""
+  pending: list[Piece] = []
+  room = seq_len
+  for s in range(corpus.num_shards):
+    _, pairs, train = corpus.shard_split(s)
+    local = np.flatnonzero(~train)
+    if local.size == 0:
+      continue
+    docs, ends = local + corpus.shard_first[s], np.cumsum(pairs[local])
+    offset = 0
+    while offset < int(ends[-1]):
+      got, taken = cut(docs, ends, offset, room)
+      pending += got
+      room -= taken
+      offset += taken
+      if room == 0:
+        yield pending
+        pending, room = [], seq_len
+  if pending:
+    yield pending

@@ -12,11 +12,16 @@ N loader workers (`mp_prefetch` keeps the order), and the same global batch on a
 
 `GlobalBatchIterator`'s state counts batches handed out (prefetching does not matter) and is
 the same on every process:
-  {"format": "zaya-global-v1", "global_batch": k, "next_row": R0 + k*B, "seq_len": T,
+  {"format": "zaya-global-v2", "global_batch": k, "next_row": R0 + k*B, "seq_len": T,
    "data": what identifies the rows (manifest digests, packing, seeds),
+   "anchors": per source, the shard boundary at or before the first row it has still to give
+     (`ConcatRows.anchor` / `BestFitRows.anchor`: [epoch, shard position, unit]), so that a
+     resume locates its rows from there instead of walking every shard from row 0,
    "mixture": the mixture's phases (`MixedRows.state()`), for data.mixture only}
 so it restores on another process count, worker count or batch size (it continues at
-`next_row`). A resume with other mixture weights starts a new phase at `next_row`
+`next_row`). A "zaya-global-v1" state (the per-document index before issue 27, whose
+document order this index does not reproduce) is refused with one line naming
+`data.v1_state="restart"`, which resumes it with the data order restarted at row 0. A resume with other mixture weights starts a new phase at `next_row`
 (`MixedRows.with_phase`): every source continues where it stopped, none repeats or skips a
 row, and the change is logged. A state of another `seq_len` is refused (`set_state` raises; the checkpointer
 restarts the data order with a warning instead, see zaya_jax/checkpoint/compat.py).
@@ -34,7 +39,13 @@ import numpy as np
 
 from zaya_jax.data import best_fit, global_index, mixture, prepared, row_shuffle
 
-STATE_FORMAT = "zaya-global-v1"
+STATE_FORMAT = "zaya-global-v2"
+V1_FORMAT = "zaya-global-v1"  # the per-document index (before issue 27)
+
+
+class DataStateError(ValueError):
+  """A saved data position this code will not apply; the message names the migration.
+  The checkpointer reports it as a user error (one line), not as a corrupt checkpoint."""
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
 
 
@@ -47,6 +58,16 @@ class SingleSource:
 
   def row(self, r: int):
     return 0, self.rows.row(r)
+
+
+def source_indexes(rows) -> list:
+  """The per-source row indexes of a SingleSource or a MixedRows."""
+  return list(rows.sources) if isinstance(rows, mixture.MixedRows) else [rows.rows]
+
+
+def source_counts(rows, next_row: int) -> list[int]:
+  """Rows each source gave to global rows [0, next_row)."""
+  return rows.counts(next_row) if isinstance(rows, mixture.MixedRows) else [next_row]
 
 
 def assemble_rows(rows: list[tuple[int, list]], corpora: list, seq_len: int,
@@ -116,7 +137,7 @@ class GlobalBatchIterator(grain.DatasetIterator):
 
   def __init__(self, make: Callable[[Any, int], grain.DatasetIterator], rows: Any, *,
                seq_len: int, global_batch: int, identity: dict[str, Any],
-               corpora: list[tuple[Any, float]]):
+               corpora: list[tuple[Any, float]], v1_state: str = "refuse"):
     """`make(rows, start_row)` builds the inner iterator whose k-th element is batch k of
     `rows` (a `SingleSource` or a `mixture.MixedRows`) from `start_row` on."""
     super().__init__()
@@ -126,6 +147,7 @@ class GlobalBatchIterator(grain.DatasetIterator):
     self.global_batch = global_batch
     self.identity = identity
     self.corpora = corpora
+    self.v1_state = v1_state
     self._start_row = 0
     self._batches = 0  # handed out since the start row
     self._batch_base = 0  # the global batch count at the start row
@@ -137,9 +159,12 @@ class GlobalBatchIterator(grain.DatasetIterator):
     return batch
 
   def get_state(self) -> dict[str, Any]:
+    next_row = self._start_row + self._batches * self.global_batch
+    anchors = [index.anchor(count) for index, count in
+               zip(source_indexes(self.rows), source_counts(self.rows, next_row))]
     state = {"format": STATE_FORMAT, "global_batch": self._batch_base + self._batches,
-             "next_row": self._start_row + self._batches * self.global_batch,
-             "seq_len": self.seq_len, "data": self.identity}
+             "next_row": next_row, "seq_len": self.seq_len, "data": self.identity,
+             "anchors": anchors}
     if isinstance(self.rows, mixture.MixedRows):
       state["mixture"] = self.rows.state()
     return state
@@ -148,8 +173,12 @@ class GlobalBatchIterator(grain.DatasetIterator):
     """Continues at the state's `next_row` (rebuilding the inner pipeline there).
 
     Raises:
+      DataStateError: a zaya-global-v1 state with data.v1_state="refuse" (names the fix).
       ValueError: a state of another format (e.g. a raw-text pipeline's) or seq_len.
     """
+    if isinstance(state, dict) and state.get("format") == V1_FORMAT:
+      self._restart_v1(state)
+      return
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
       raise ValueError(f"data iterator state is not a {STATE_FORMAT} state (written by another "
                        "kind of data pipeline); resume with the data config that wrote it")
@@ -163,11 +192,33 @@ class GlobalBatchIterator(grain.DatasetIterator):
     next_row = int(state["next_row"])
     if isinstance(self.rows, mixture.MixedRows):
       self.rows = self._resumed_mixture(state.get("mixture"), next_row)
+    if state.get("data") == self.identity:  # anchors address this data's rows only
+      for index, anchor in zip(source_indexes(self.rows), state.get("anchors", [])):
+        index.add_anchor(anchor)
     self._start_row = next_row
     self._batch_base = int(state["global_batch"])
     self._batches = 0
     self._close_inner()  # its worker processes and shared memory, if it started any
     self._inner = self._make(self.rows, self._start_row)
+
+  def _restart_v1(self, state: dict[str, Any]) -> None:
+    """A zaya-global-v1 state: refused, or (data.v1_state="restart") the data order restarts
+    at row 0 of this index with the saved batch count kept (warned)."""
+    if self.v1_state != "restart":
+      raise DataStateError(
+          f"the checkpoint's data position is a {V1_FORMAT} state (global row "
+          f"{state.get('next_row')} of the per-document index replaced by the bounded-memory "
+          "index of issue 27, whose document order differs); resume once with "
+          "--config.data.v1_state=restart to keep the model, optimizer and step and restart the "
+          "data order at row 0")
+    logging.warning("data iterator: %s state at global row %s: the data order restarts at row "
+                    "0 of the bounded-memory index (data.v1_state=restart)", V1_FORMAT,
+                    state.get("next_row"))
+    self._start_row = 0
+    self._batch_base = int(state.get("global_batch", 0))
+    self._batches = 0
+    self._close_inner()
+    self._inner = self._make(self.rows, 0)
 
   def _close_inner(self) -> None:
     close = getattr(self._inner, "close", None)
@@ -213,37 +264,43 @@ def batch_dataset(build: BuildBatch, num_workers: int) -> grain.IterDataset:
   return batches
 
 
-def _row_index(cfg, corpus, seq_len: int, seed: int):
+def row_index(cfg, corpus, seq_len: int, seed: int):
   """The RowIndex of one source's train documents per data.packing, row-shuffled per
   data.shuffle_rows (`zaya_jax.data.row_shuffle`; each mixture source on its own, so a
-  mixture phase change still continues every source's row stream)."""
+  mixture phase change still continues every source's row stream).
+
+  Raises:
+    ValueError: naming data.source / data.eval_fraction if an epoch holds no train pair
+      (row 0 is located here, so this fails before training starts).
+  """
   if cfg.packing == "best_fit":
-    rows = best_fit.BestFitRows(corpus.pairs, corpus.train_ids, seed=(cfg.shuffle_seed, seed),
-                                seq_len=seq_len, window=cfg.best_fit_window,
-                                long_documents=cfg.long_documents)
+    rows = best_fit.BestFitRows(corpus, seed=(cfg.shuffle_seed, seed), seq_len=seq_len,
+                                window=cfg.best_fit_window, long_documents=cfg.long_documents)
   else:
-    try:
-      rows = global_index.ConcatRows(corpus.pairs, corpus.train_ids, seq_len,
-                                     cfg.shuffle_seed, seed)
-    except ValueError as e:
-      raise ValueError(f"data.source={corpus.directory!r}: {e}") from e
+    rows = global_index.ConcatRows(corpus, seq_len, cfg.shuffle_seed, seed)
   if cfg.shuffle_rows:
     rows = row_shuffle.ShuffledRows(rows, shuffle_window(cfg, corpus, seq_len),
                                     (cfg.shuffle_seed, seed))
+  try:
+    rows.row(0)
+  except ValueError as e:
+    raise ValueError(f"data.source={corpus.directory!r}: {e} (data.eval_fraction="
+                     f"{cfg.eval_fraction}; every train document may have < 2 tokens); add "
+                     "documents or lower data.eval_fraction.") from e
   return rows
 
 
 def shuffle_window(cfg, corpus, seq_len: int) -> int:
-  """Rows per row-shuffle window of one source: data.shuffle_window, capped at a lower bound
-  of the rows of one epoch (the train documents' pairs / T for concat packing; with
-  best_fit each document, truncated to T pairs, fills part of a row: sum of min(pairs, T) /
-  T), so that a window spans at most about two epochs and the row indexes' two cached epochs
-  serve it."""
-  pairs = corpus.pairs[corpus.train_ids]
+  """Rows per row-shuffle window of one source: data.shuffle_window, capped at an estimate of
+  the rows of one epoch from the manifest alone (the corpus's tokens - documents, the pairs
+  of non-empty documents, times 1 - data.eval_fraction; with best_fit at most T pairs per
+  document; over T), so that on a small corpus a window does not span many epochs. The same
+  on every process: a function of the manifest and the config."""
+  documents = len(corpus)
+  pairs = max(0, corpus.tokens_total - documents) * (1.0 - cfg.eval_fraction)
   if cfg.packing == "best_fit":
-    pairs = np.minimum(pairs, seq_len)
-  epoch_rows = int(pairs.sum()) // seq_len
-  return max(1, min(cfg.shuffle_window, epoch_rows))
+    pairs = min(pairs, documents * (1.0 - cfg.eval_fraction) * seq_len)
+  return max(1, min(cfg.shuffle_window, int(pairs) // seq_len))
 
 
 def _check_processes(batch_size: int, process_index: int, process_count: int) -> None:
@@ -266,11 +323,7 @@ def make_global_train_iterator(cfg, *, seq_len: int, batch_size: int, seed: int,
   """
   _check_processes(batch_size, process_index, process_count)
   corpora = prepared.open_sources(cfg)
-  for corpus, _ in corpora:
-    if corpus.train_ids.size == 0:
-      raise ValueError(f"data.eval_fraction={cfg.eval_fraction} holds out every document of "
-                       f"{corpus.directory!r}; lower data.eval_fraction.")
-  indexes = [_row_index(cfg, corpus, seq_len, seed) for corpus, _ in corpora]
+  indexes = [row_index(cfg, corpus, seq_len, seed) for corpus, _ in corpora]
   if cfg.mixture.strip():
     rows = mixture.MixedRows(indexes, [w for _, w in corpora],
                              names=[c.directory for c, _ in corpora])
@@ -299,7 +352,7 @@ def make_global_train_iterator(cfg, *, seq_len: int, batch_size: int, seed: int,
     return iter(batch_dataset(build, cfg.num_workers))
 
   return GlobalBatchIterator(make, rows, seq_len=seq_len, global_batch=global_b,
-                             identity=identity, corpora=corpora)
+                             identity=identity, corpora=corpora, v1_state=cfg.v1_state)
 
 
 def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches: int,
@@ -323,15 +376,14 @@ def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches:
     raise ValueError(f"max_batches={max_batches} must be >= 1.")
   _check_processes(batch_size, process_index, process_count)
   corpora = [c for c, _ in (corpora or prepared.open_sources(cfg))]
-  streams = [global_index.SequentialRows(c.pairs, c.eval_ids, seq_len) for c in corpora]
-  if not any(s.num_rows for s in streams):
+  global_b = batch_size * process_count
+  limit = max_batches * global_b  # rows needed at most: no shard past them is read
+  rows = list(itertools.islice(((i, pieces) for i, c in enumerate(corpora)
+                                for pieces in global_index.eval_rows(c, seq_len)), limit))
+  if not rows:
     raise ValueError(f"data.eval_fraction={cfg.eval_fraction} held out no document of "
                      f"{[c.directory for c in corpora]} ({sum(len(c) for c in corpora)} "
                      "documents); raise data.eval_fraction or set train.eval_batches=0.")
-  global_b = batch_size * process_count
-  limit = max_batches * global_b  # rows needed at most: nothing past them is indexed
-  rows = list(itertools.islice(((i, s.row(r)) for i, s in enumerate(streams)
-                                for r in range(s.num_rows)), limit))
   count = min(max_batches, -(-len(rows) // global_b))
   pad_id = corpora[0].tokenizer.pad_id
   out = []

@@ -101,6 +101,14 @@ class ShuffledRows:
   def row(self, r: int):
     return self.rows.row(self.physical(r))
 
+  def anchor(self, r: int) -> list[int]:
+    """The inner index's anchor before the window of logical row r: every row that logical
+    rows >= r read lies at or after it."""
+    return self.rows.anchor(r // self.window * self.window)
+
+  def add_anchor(self, anchor) -> None:
+    self.rows.add_anchor(anchor)
+
 
 def same_document_share(batches_of_pieces: list[list[list[tuple[int, int, int]]]]) -> float:
   """Fraction of row pairs inside a batch that share a document, over all batches.

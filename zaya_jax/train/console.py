@@ -188,8 +188,8 @@ def data_summary(data_cfg: Any, tokens_needed: int, corpora: list | None = None,
   training iterator was built from, not listed again); train tokens are known only for the
   byte tokenizer (one token per UTF-8 byte, + BOS/EOS), from file sizes and .jsonl line
   lengths. `tokens_needed` = steps x tokens per step. Errors of the listing give '?'.
-  Prepared corpora: counts from `corpora` (the training iterator's opened sources, not
-  opened again), or from opening their manifests and lengths files.
+  Prepared corpora: counts from the manifests of `corpora` (the training iterator's opened
+  sources, not opened again) or of opening them; the split's counts are expected values.
   """
   if prepared.uses_prepared(data_cfg):
     return _prepared_summary(data_cfg, tokens_needed, corpora)
@@ -219,13 +219,17 @@ def _prepared_summary(data_cfg: Any, tokens_needed: int, corpora: list | None) -
   total = sum(w for _, w in corpora)
   parts = []
   for corpus, weight in corpora:
-    tokens = int(corpus.lengths[corpus.train_ids].sum())
+    # From the manifest: the split is decided per document when a shard is read, so only
+    # its expected share is known without reading every lengths file (issue 27).
+    keep = 1.0 - data_cfg.eval_fraction
+    tokens = corpus.tokens_total * keep
     share = tokens_needed * weight / total
-    text = (f"{corpus.directory}: {corpus.train_ids.size:,} train documents (~{si(tokens)} "
+    text = (f"{corpus.directory}: ~{si(len(corpus) * keep)} train documents (~{si(tokens)} "
             f"tokens, {share / max(tokens, 1):.2f} epochs this run)")
     if len(corpora) > 1:
       text += f" weight {weight / total:.2f}"
-    parts.append(text + f", {corpus.eval_ids.size:,} eval documents")
+    parts.append(text + f", ~{si(len(corpus) * data_cfg.eval_fraction)} eval documents "
+                 f"(of {len(corpus):,})")
   return "; ".join(parts)
 
 
