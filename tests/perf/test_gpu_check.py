@@ -17,6 +17,10 @@ from zaya_jax.perf import gpu_check
 from tests.perf.cli import REPO
 
 
+# The CLI run interprets every kernel and compiles two tiny train steps: minutes here.
+pytestmark_slow = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("gpu_check")
@@ -27,6 +31,7 @@ def cpu_run(tmp_path_factory):
     return json.load(f), proc.stdout
 
 
+@pytestmark_slow
 def test_parity_ran_every_kernel_in_both_dtypes_with_computed_errors(cpu_run):
   result, stdout = cpu_run
   assert result["device"]["platform"] == "cpu" and result["device"]["on_gpu"] is False
@@ -45,6 +50,7 @@ def test_parity_ran_every_kernel_in_both_dtypes_with_computed_errors(cpu_run):
   assert result["ok"] is True and "ALL OK" in stdout
 
 
+@pytestmark_slow
 def test_timings_and_train_steps_hold_measured_values(cpu_run):
   result, stdout = cpu_run
   ops = {(t["op"], t["pass"], t["impl"]) for t in result["timings"]}
@@ -64,6 +70,7 @@ def test_timings_and_train_steps_hold_measured_values(cpu_run):
   assert "Train step" in stdout and "Timings" in stdout
 
 
+@pytestmark_slow
 def test_cpu_run_names_what_it_skipped(cpu_run):
   result, stdout = cpu_run
   whats = " | ".join(s["what"] for s in result["skipped"])

@@ -24,7 +24,8 @@ same on both: the compile batch is the target's per-device batch times the compi
 Pricing (bandwidth-optimal ring / pairwise algorithms, hierarchical over nodes; devices are
 numbered with `expert` innermost, then fsdp, then data, `devices_per_node` to a node):
   all-gather, reduce-scatter  bytes (g-1)/g over the scale-up link + (m-1)/m over the g NICs
-                              of each node; (g-1) intra + (m-1) inter latencies
+                              of each node; (g-1) intra + min(m-1, 2 ceil(log2 m)) inter
+                              latencies (ring, or a tree across many nodes)
   all-reduce                  twice that (reduce-scatter + all-gather), i.e. 2(n-1)/n
   all-to-all (ragged too)     (g-1)/n of the buffer intra-node, (n-g)/n through the NIC;
                               (g-1) intra + (m-1) inter latencies
@@ -120,14 +121,9 @@ def _replica_groups(attrs: str, num_devices: int) -> np.ndarray | None:
   if m:
     rows = [[int(v) for v in g.split(",") if v.strip()] for g in re.findall(r"\{([^}]*)\}", m.group(1))]
     return np.array(rows)
-  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)", attrs)
   if m:
-    shape = [int(v) for v in m.group(1).split(",")]
-    ids = np.arange(math.prod(int(v) for v in m.group(2).split(",")))
-    ids = ids.reshape([int(v) for v in m.group(2).split(",")])
-    if m.group(3):
-      ids = ids.transpose([int(v) for v in m.group(3).split(",")])
-    return ids.reshape(shape)
+    return _iota(m.group(2), num_devices).reshape([int(v) for v in m.group(1).split(",")])
   return None
 
 
@@ -144,10 +140,15 @@ def group_axes(attrs: str, mesh_shape: dict[str, int]) -> tuple[str, ...]:
   """
   names = [a for a in MESH_AXES if a in mesh_shape]
   dims = [mesh_shape[a] for a in names]
-  m = re.search(r"replica_groups=mesh\[[^\]]*\]\s*\{([^}]*)\}", attrs)
-  if m:
-    named = {a.strip("' ") for a in m.group(1).split(",") if a.strip()}
-    return tuple(a for a in names if a in named and mesh_shape[a] > 1)
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}",
+                attrs)
+  if m:  # mesh['a'=2,'b'=4], device_ids=([2,2,2]T(1,0,2)) {'a'}: groups vary along the named axes
+    sizes = [(kv.split("=")[0].strip("' "), int(kv.split("=")[1])) for kv in m.group(1).split(",")]
+    ids = _iota(m.group(2), math.prod(dims)) if m.group(2) else np.arange(math.prod(dims))
+    grid = ids.reshape([n for _, n in sizes])
+    named = {a.strip("' ") for a in m.group(3).split(",") if a.strip()}
+    first = grid[tuple(slice(None) if a in named else 0 for a, _ in sizes)].reshape(-1)
+    return _varying(first, names, dims)
   m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
   if m:
     pairs = np.array([[int(v) for v in p.split(",")] for p in re.findall(r"\{?(\d+,\d+)\}?", m.group(1) + "}")])
@@ -157,8 +158,24 @@ def group_axes(attrs: str, mesh_shape: dict[str, int]) -> tuple[str, ...]:
   groups = _replica_groups(attrs, math.prod(dims))
   if groups is None:
     raise ValueError(f"no replica groups in collective attributes {attrs[:160]!r}")
-  coords = np.stack(np.unravel_index(groups[0], dims), -1)  # [size, axes]
+  return _varying(groups[0], names, dims)
+
+
+def _varying(group: np.ndarray, names: list[str], dims: list[int]) -> tuple[str, ...]:
+  """Axes of `names` (sizes `dims`, row-major device ids) along which `group`'s ids differ."""
+  coords = np.stack(np.unravel_index(np.asarray(group), dims), -1)  # [size, axes]
   return tuple(a for i, a in enumerate(names) if len(set(coords[:, i])) > 1)
+
+
+def _iota(text: str, total: int) -> np.ndarray:
+  """Device ids of `[dims]T(perm)` (an iota reshaped and transposed) or of `0,2,1,...`."""
+  m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+  if not m:
+    return np.array([int(v) for v in text.split(",") if v.strip()])
+  ids = np.arange(total).reshape([int(v) for v in m.group(1).split(",")])
+  if m.group(2):
+    ids = ids.transpose([int(v) for v in m.group(2).split(",")])
+  return ids.reshape(-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +230,10 @@ def collective_time(kind: str, nbytes: float, n: int, g: int, net: Network) -> f
   if kind in ("all-to-all", "ragged-all-to-all"):
     return ((g - 1) * net.intra_latency + (m - 1) * net.inter_latency
             + nbytes * (g - 1) / n / net.intra_bandwidth + nbytes * (n - g) / n / net.inter_bandwidth)
-  one = ((g - 1) * net.intra_latency + (m - 1) * net.inter_latency
+  # Across nodes NCCL/RCCL pick a tree for small messages: the fewer of the ring's m - 1 and a
+  # tree's 2 ceil(log2 m) latency steps.
+  inter_steps = min(m - 1, 2 * math.ceil(math.log2(m))) if m > 1 else 0
+  one = ((g - 1) * net.intra_latency + inter_steps * net.inter_latency
          + nbytes * (g - 1) / g / net.intra_bandwidth
          + (nbytes * (m - 1) / m / (g * net.inter_bandwidth) if m > 1 else 0.0))
   return 2 * one if kind == "all-reduce" else one
@@ -315,7 +335,8 @@ def _compiled_text(model_cfg, train_cfg, mesh, batch, seq_len, balance, hlo_dir,
 def predict_step(model_cfg: ModelConfig, train_cfg: TrainConfig, profile: AcceleratorProfile,
                  net: Network, *, compile_mesh: MeshConfig, target_mesh: MeshConfig,
                  target_devices: int, seqs_per_device: int, seq_len: int, variants: list[str],
-                 remat: str = "none", log: Callable[[str], None] = print) -> dict[str, Any]:
+                 hlo_dir: str | None = None,
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
   """Compiles the step once per balancing variant on `compile_mesh` and predicts it on the
   target (module docstring).
 
