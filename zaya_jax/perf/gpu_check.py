@@ -135,9 +135,9 @@ def parity_routing(dtype: str, interpret: bool) -> dict[str, Any]:
 
 
 def parity_gmm(dtype: str, interpret: bool) -> dict[str, Any]:
-  """`gmm` vs `gmm_reference` (and `jax.lax.ragged_dot`) on M = 192 rows in 4 groups of
-  [64, 0, 100, 20] (an empty group, partial tiles, 8 unused rows), K = 64, N = 96: values and
-  both gradients."""
+  """`gmm` vs `gmm_reference` (and `jax.lax.ragged_dot`) on M = 200 rows, 4 groups of
+  [64, 0, 100, 28] (an empty group, partial tiles, 8 rows past the groups), K = 64, N = 96:
+  values and both gradients."""
   m, k, n = 200, 64, 96
   gs = jnp.array([64, 0, 100, 28], jnp.int32)
   k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
