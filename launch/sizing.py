@@ -14,8 +14,20 @@ run on the user's own accelerator) replaces the roofline time of every GEMM by t
 one (exact shape, or interpolated from the nearest measured shapes: zaya_jax.perf.gemm_table
 .GemmTable); attention, convolutions and communication stay on the roofline of `--profile`,
 which should name the same accelerator (MFU is against its peak).
+
+`--predict_step` compiles the real training step on fake CPU devices instead
+(`--compile_mesh`, default 2,2,8: 32 devices, the target's expert size), once per balancing
+variant (`--balance_variants`, default none and the config's mode), lists every collective
+with its bytes and runs per step, scales and prices each one on the target mesh (`--mesh`,
+`--num_devices`) with `--intra_GBps` / `--inter_GBps` and per-step latencies, and sets it
+beside the roofline compute time: predicted step time, MFU and tokens/s per device
+(zaya_jax.perf.predict):
+
+  python -m launch.sizing --config=configs/zaya1_base.py --predict_step --num_devices=1024 \
+      --mesh=16,8,8 --compile_mesh=2,2,8 --seqs_per_device=1 --seq_len=4096
 """
 
+import dataclasses
 import sys
 
 from absl import app, flags
@@ -23,7 +35,9 @@ from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.config.mesh import MeshConfig
-from zaya_jax.perf import roofline
+from zaya_jax.perf import predict, roofline
+from zaya_jax.perf.benchmark import parse_balance_variant
+from zaya_jax.parallel.mesh import use_cpu_devices
 from zaya_jax.parallel.accelerators import get_profile
 from zaya_jax.perf.gemm_table import GemmTable
 from zaya_jax.config import cli_paths
@@ -45,6 +59,24 @@ _REMAT = flags.DEFINE_enum("remat", None, list(roofline.REMATS),
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences per decode step (one device).")
 _GEMM_TABLE = flags.DEFINE_string("gemm_table", None, "CSV from launch.bench_gemm: measured GEMM "
                                   "times replace the roofline's (default: roofline only).")
+_PREDICT = flags.DEFINE_bool("predict_step", False, "Compile the train step on fake CPU devices "
+                             "and price its collectives on --mesh (zaya_jax.perf.predict).")
+_COMPILE_MESH = flags.DEFINE_string("compile_mesh", "2,2,8", "--predict_step: data,fsdp,expert of "
+                                    "the fake-CPU mesh compiled (its product = fake devices).")
+_SEQS = flags.DEFINE_integer("seqs_per_device", 1, "--predict_step: sequences per device per step.")
+_VARIANTS = flags.DEFINE_list("balance_variants", None, "--predict_step: balancing variants "
+                              "(none, quantile:next, quantile:current, adamw, pid, sign); default "
+                              "none and the config's.")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "--predict_step: cache of the compiled steps' HLO "
+                               "text (keyed by a hash of what is compiled); default none.")
+_INTRA = flags.DEFINE_float("intra_GBps", None, "--predict_step: per-device intra-node GB/s per "
+                            "direction; default the profile's scale-up peak.")
+_INTER = flags.DEFINE_float("inter_GBps", None, "--predict_step: per-device inter-node GB/s per "
+                            "direction; default the profile's NIC peak.")
+_INTRA_LAT = flags.DEFINE_float("intra_latency_us", 10.0, "--predict_step: seconds x 1e-6 per "
+                                "intra-node algorithm step.")
+_INTER_LAT = flags.DEFINE_float("inter_latency_us", 25.0, "--predict_step: seconds x 1e-6 per "
+                                "inter-node algorithm step.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -53,9 +85,60 @@ def _positive(name: str, value: int | None) -> None:
     raise ValueError(f"--{name}={value} must be a positive integer")
 
 
+def _mesh(flag: str, text: str) -> MeshConfig:
+  try:
+    return MeshConfig(*(int(v) for v in text.split(",")))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"--{flag}={text!r}: expected data,fsdp,expert integers ({e})") from e
+
+
+def _predict(model_cfg, train_cfg, balance, profile) -> None:
+  """The --predict_step branch: compile on fake CPU devices, price on --mesh."""
+  try:
+    compile_mesh = _mesh("compile_mesh", _COMPILE_MESH.value)
+    if -1 in (compile_mesh.data, compile_mesh.fsdp, compile_mesh.expert):
+      raise ValueError(f"--compile_mesh={_COMPILE_MESH.value!r}: give every axis (no -1)")
+    target = _mesh("mesh", _MESH.value) if _MESH.value else MeshConfig()
+    target.shape(_NUM_DEVICES.value)  # raises for a mesh that does not fit --num_devices
+    _positive("seqs_per_device", _SEQS.value)
+    net = predict.network_from_profile(profile, intra_latency=_INTRA_LAT.value * 1e-6,
+                                       inter_latency=_INTER_LAT.value * 1e-6)
+    if _INTRA.value or _INTER.value:
+      net = dataclasses.replace(
+          net, intra_bandwidth=(_INTRA.value or net.intra_bandwidth / 1e9) * 1e9,
+          inter_bandwidth=(_INTER.value or net.inter_bandwidth / 1e9) * 1e9,
+          source=f"given: {_INTRA.value or net.intra_bandwidth / 1e9:g} GB/s intra-node, "
+                 f"{_INTER.value or net.inter_bandwidth / 1e9:g} GB/s inter-node per device and "
+                 f"direction; latency {_INTRA_LAT.value:g} / {_INTER_LAT.value:g} us per step")
+    default = ["none"] + ([f"{balance.mode}:{balance.quantile_apply}" if balance.mode == "quantile"
+                           else balance.mode] if balance.enabled else [])
+    variants = _VARIANTS.value or default
+    for v in variants:
+      parse_balance_variant(v)
+  except ValueError as e:
+    sys.exit(f"invalid arguments: {e}")
+  use_cpu_devices(compile_mesh.data * compile_mesh.fsdp * compile_mesh.expert)
+  seq = _SEQ.value or train_cfg.seq_len
+  result = predict.predict_step(model_cfg, train_cfg, profile, net, compile_mesh=compile_mesh,
+                                target_mesh=target, target_devices=_NUM_DEVICES.value,
+                                seqs_per_device=_SEQS.value, seq_len=seq, variants=variants,
+                                hlo_dir=_HLO_DIR.value)
+  print(predict.format_prediction(
+      result, title=f"{model_cfg.num_layers} layers, {model_cfg.dtype}, dispatch "
+                    f"{model_cfg.moe_dispatch}, seq {seq}"))
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _PREDICT.value:
+    try:
+      model_cfg, train_cfg, _, balance = synthetic_configs(_CONFIG.value)
+      profile = get_profile(_PROFILE.value)
+    except (ConfigError, ValueError) as e:
+      sys.exit(f"invalid arguments: {e}")
+    _predict(model_cfg, train_cfg, balance, profile)
+    return
   try:
     for name, flag in (("num_devices", _NUM_DEVICES), ("batch_size", _BATCH), ("seq_len", _SEQ),
                        ("decode_batch", _DECODE_BATCH)):
