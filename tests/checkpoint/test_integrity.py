@@ -151,6 +151,7 @@ def flip_bit(x: np.ndarray, index: tuple[int, ...], bit: int) -> np.ndarray:
   return y
 
 
+@pytest.mark.slow
 def test_flipped_bit_names_the_layer_and_expert(tiny):
   model = nnx.merge_state(tiny.state.params, tiny.state.model_state)
   saved = integrity.checksum_tree(model)

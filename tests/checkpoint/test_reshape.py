@@ -47,6 +47,7 @@ def tree_digest(directory: str) -> dict[str, str]:
   return out
 
 
+@pytest.mark.slow
 def test_drop_optimizer_and_cast_to_bfloat16(tiny, saved, tmp_path):
   workdir = os.path.dirname(saved.directory)
   before = tree_digest(workdir)
@@ -105,6 +106,7 @@ def test_drop_optimizer_and_cast_to_bfloat16(tiny, saved, tmp_path):
   ckpt.close()
 
 
+@pytest.mark.slow
 def test_plain_copy_resumes_training_exactly(tiny, saved, tmp_path):
   report = reshape.reshape(saved.directory, str(tmp_path / "copy"), step=2)
   assert report[-1].endswith("(48 (layer, expert) slices of 6 expert tensors)")  # mu, nu

@@ -48,6 +48,7 @@ def hf_generate(hf, prompt, use_cache, **kw):
                        max_new_tokens=NEW, use_cache=use_cache, **kw).numpy()
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_generate(models):
   hf, ours, prompt = models
   got = greedy_generate_recompute(ours, prompt.numpy(), NEW, eos_token_id=None)
@@ -92,6 +93,7 @@ def test_greedy_rejects_bad_input(models):
     greedy_generate_recompute(ours, prompt.numpy(), -1)
 
 
+@pytest.mark.slow
 def test_cached_generate_matches_transformers_generate(models):
   """`zaya_jax.generate.generate` (KV/conv/delayed-value cache) = transformers' cached generate."""
   hf, ours, prompt = models

@@ -90,6 +90,7 @@ def test_bfloat16_export(imported, tmp_path):
     np.testing.assert_array_equal(got.float().numpy(), torch.tensor(v).bfloat16().float().numpy(), err_msg=k)
 
 
+@pytest.mark.slow
 def test_trained_model_logits_match(imported, tmp_path):
   """Perturbed ("trained") parameters export to a transformers model with the same logits."""
   _, ids, ours = imported

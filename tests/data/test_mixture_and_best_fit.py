@@ -68,6 +68,7 @@ def test_mixture_weights_measured_over_batches(corpora):
   assert sum(x != y for x, y in zip(sources, sources[1:])) > 500
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_mixture_resume_equals_an_uninterrupted_run(corpora, num_workers):
   if num_workers and not flags.FLAGS.is_parsed():
@@ -138,6 +139,7 @@ def test_best_fit_rows_hold_whole_documents(best_fit_corpus):
   assert seen > 64 and 0.0 < float(np.mean(padding)) < 0.5
 
 
+@pytest.mark.slow
 def test_model_sees_a_best_fit_rows_documents_as_alone(best_fit_corpus):
   directory, _ = best_fit_corpus
   cfg = DataConfig(source=directory, tokenizer="byte", eval_fraction=0.0, packing="best_fit",

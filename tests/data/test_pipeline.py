@@ -419,6 +419,7 @@ def test_row_shuffle_resume_across_a_seq_len_change_and_a_shuffle_change(tmp_pat
   np.testing.assert_array_equal(got, np.sort(plain[6 * 32:10 * 32].reshape(4, 32), axis=0))
 
 
+@pytest.mark.slow
 def test_worker_processes_resume_exactly(tmp_path):
   flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags (absl.app.run does this)
   pattern, _ = _write_txt_corpus(tmp_path, [12, 40, 7, 25, 60, 9, 33])
@@ -441,6 +442,7 @@ def test_worker_processes_resume_exactly(tmp_path):
 # ---------------------------------------------------------------------------- sources
 
 
+@pytest.mark.slow
 def test_stdlib_source_is_real_python():
   refs = sources.list_documents(data.DataConfig())
   ids = [r.doc_id for r in refs]

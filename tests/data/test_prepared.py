@@ -196,6 +196,7 @@ def test_eval_split_disjoint_and_process_independent(corpus):
   assert one[-1]["loss_mask"].sum() == pairs - (len(one) - 1) * P * b * T  # padded last batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_mid_epoch_and_on_another_process_count(corpus, workers):
   directory, _ = corpus

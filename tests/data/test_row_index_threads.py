@@ -82,6 +82,7 @@ def fast_thread_switches():
   sys.setswitchinterval(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MAKE))
 def test_concurrent_rows_equal_serial_rows(kind, fast_thread_switches):
   deadline = time.monotonic() + HANG_BOUND_S

@@ -58,6 +58,7 @@ CASES = [  # (batch, seq, heads, kv_heads, head_dim, window, block, dtype)
 
 class _CcaAttentionTests(KernelParityTest):
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("batch,seq,heads,kv_heads,head_dim,window,block,dtype", CASES)
   def test_matches_reference(self, batch, seq, heads, kv_heads, head_dim, window, block, dtype):
     q, k, v, w = _inputs(batch, seq, heads, kv_heads, head_dim, dtype)

@@ -69,6 +69,7 @@ def reference_vjp(lhs, rhs, gs, ct):
 
 
 class _GmmTests(KernelParityTest):
+  @pytest.mark.slow
   @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
   def test_gmm_values_and_grads(self, case):
     _, m, k, n, group_sizes, block, dtype = case
@@ -91,6 +92,7 @@ class _GmmTests(KernelParityTest):
     assert_close("tgmm", got, tgmm_reference(lhs, ct, gs), **TOLERANCES[jnp.dtype(jnp.float32)])
     assert not np.asarray(got[1]).any() and not np.asarray(got[4]).any()  # empty groups
 
+  @pytest.mark.slow
   def test_swiglu_experts_gmm_matches_model(self):
     m, d, f, group_sizes = 40, 32, 48, [12, 0, 9, 11]  # 8 rows skipped
     keys = jax.random.split(jax.random.key(2), 4)

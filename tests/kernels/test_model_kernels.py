@@ -49,6 +49,7 @@ def setup():
 IMPL_FIELDS = {"attention": "attention_impl", "routing": "routing_impl", "gmm": "gmm_impl"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [("attention",),
                                      ("routing", "gmm", "attention")])
 def test_kernels_match_xla_path(setup, kernels):

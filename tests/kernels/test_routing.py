@@ -88,6 +88,7 @@ class _RoutingTests(KernelParityTest):
     w = jnp.ones(logits.shape[:1], jnp.float32)
     return _value_and_grads(self.interpret, block_m)(logits, biases, w)[0][1]
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("case", list(CASES))
   def test_values_and_gradients_match_reference(self, case):
     logits, biases, block_m = CASES[case]
@@ -128,6 +129,7 @@ class _RoutingTests(KernelParityTest):
     np.testing.assert_array_equal(unpermute(rows_PD, got), unsort(rows_PD, order_M))
     np.testing.assert_array_equal(unpermute(rows_PD, got), x_MD)
 
+  @pytest.mark.slow
   def test_zaya1_shape(self):
     """ZAYA1: 16 experts + skip, several full blocks at the default block size."""
     logits, biases = _logits(256, 17, 13), _biases(17, c16=-1.0)

@@ -18,6 +18,7 @@ def segments(t):
   return jnp.asarray(seg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocks", [1, 3, 8, 23, 64])
 @pytest.mark.parametrize("window", [None, 5])
 def test_block_attention_equals_full(blocks, window):

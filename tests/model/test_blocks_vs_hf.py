@@ -102,6 +102,7 @@ def _hf_choice(case, i: int, logits: torch.Tensor) -> np.ndarray:
   return _np(torch.argmax(biased, -1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", LAYERS)
 def test_cca_qkv_projection(case, i):
   """q, k, v after the convolutions, residual means and delayed values, before QK-norm."""
@@ -115,6 +116,7 @@ def test_cca_qkv_projection(case, i):
   assert_close(f"{case.name} layer {i} v", v, _np(v_want), ATOL, RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", LAYERS)
 def test_cca_attention_block(case, i):
   """The whole CCA block (projection, QK-norm, partial RoPE, masked GQA attention, o_proj)."""
@@ -170,6 +172,7 @@ def test_router(case, i):
   assert len(np.unique(cls[~skip])) >= 3, f"{name}: experts chosen {np.unique(cls)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", LAYERS)
 def test_moe_block(case, i):
   """MoE output (skip_mode "zero", as HF), the router state handed on, and per-class counts."""

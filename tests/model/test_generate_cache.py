@@ -48,6 +48,7 @@ def prompt():
   return np.random.default_rng(4).integers(3, CFG.vocab_size, (2, PROMPT))
 
 
+@pytest.mark.slow
 def test_cached_greedy_equals_recompute_and_full_forward(model, prompt):
   got = generate(model, prompt, NEW, return_logits=True)
   assert got.tokens.shape == (2, PROMPT + NEW) and got.logits.shape == (2, NEW, CFG.vocab_size)
@@ -61,6 +62,7 @@ def test_cached_greedy_equals_recompute_and_full_forward(model, prompt):
     np.testing.assert_array_equal(got.tokens, greedy_generate_recompute(model, prompt, NEW))
 
 
+@pytest.mark.slow
 def test_prefill_logits_and_decode_from_mid_sequence(model, prompt):
   """`forward_with_cache` on all prompt positions, then a 3-token chunk after the cache."""
   if model.cfg.skip_mode != "zero":

@@ -59,6 +59,7 @@ def scanned():
   return _logits_and_grads(CFG.replace(scan_layers=True, remat=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [dict(scan_layers=False, remat=False), dict(scan_layers=True, remat=True)],
                          ids=["unrolled", "scan_remat"])
 def test_layer_execution_options_do_not_change_numbers(scanned, options):
@@ -73,6 +74,7 @@ def test_layer_execution_options_do_not_change_numbers(scanned, options):
   assert np.abs(want_grads["layers"]["self_attn"]["conv_grouped"]).max() > 0
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_close_to_float32(scanned):
   want_logits, _ = scanned
   model = random_model(CFG.replace(dtype="bfloat16"), seed=0)
@@ -188,6 +190,7 @@ def test_unexpected_tensor_is_named(hf_dir, tmp_path):
     load_pretrained(_edited_copy(src, tmp_path / "ckpt", edit))
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_loads_identically(hf_dir, tmp_path):
   hf, src, ids = hf_dir
   sharded = tmp_path / "sharded"

@@ -148,6 +148,7 @@ def expected_counts(name: str, counts: np.ndarray, m: int) -> None:
     assert counts.sum() == 1, counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip_mode", SKIP_MODES)
 @pytest.mark.parametrize("name", CASES)
 def test_moe_matches_loop_reference(name, skip_mode):
@@ -214,6 +215,7 @@ def test_balancing_biases_are_state_without_gradient():
   assert np.abs(np.asarray(grads["router"]["out_proj"])).max() > 0  # the router does learn
 
 
+@pytest.mark.slow
 def test_expert_counts_ignore_padding():
   """Per-layer counts cover exactly the non-padding tokens, whatever the padding tokens hold."""
   cfg = CFG.replace(skip_mode="zero")

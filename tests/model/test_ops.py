@@ -17,6 +17,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["tiled", "looped"])
 @pytest.mark.parametrize("tile", [1, 4, 7, 128])
 @pytest.mark.parametrize("case", list(CASES))
@@ -35,6 +36,7 @@ def test_tiled_equals_ragged_dot(case, tile, impl):
     np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_single_row_and_unknown_impl():
   x = jnp.ones((1, 3))
   w = jnp.arange(2 * 3 * 2, dtype=jnp.float32).reshape(2, 3, 2)

@@ -49,6 +49,7 @@ def pair(request, tmp_path_factory):
   return hf, load_pretrained(str(path)), ids
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(pair):
   hf, ours, ids = pair
   with torch.no_grad():
@@ -65,6 +66,7 @@ def test_logits_match_transformers(pair):
   np.testing.assert_array_equal(np.asarray(aux["expert_counts"]), want_counts)
 
 
+@pytest.mark.slow
 def test_right_padded_batch(pair):
   hf, ours, ids = pair
   t = ids.shape[1]
@@ -79,6 +81,7 @@ def test_right_padded_batch(pair):
   assert_close("padded logits (non-pad positions)", got[keep], want[keep], atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_packed_documents_equal_documents_alone(pair):
   """Two documents in one row: no attention, convolution or delayed value crosses the boundary."""
   hf, ours, ids = pair

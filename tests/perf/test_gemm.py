@@ -148,6 +148,7 @@ def test_table_rejects_a_csv_without_the_columns(tmp_path):
     gemm_table.GemmTable.from_csv(str(path))
 
 
+@pytest.mark.slow
 def test_cli_writes_csv_and_png(cli_runs):
   rc, output, out = cli_runs["smoke"]
   assert rc == 0, output[-3000:]

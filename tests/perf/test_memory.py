@@ -81,6 +81,7 @@ def test_run_stream_accounts_bytes_and_checks_results(dtype):
     memory.run_stream(["copy"], [1024], "int8")
 
 
+@pytest.mark.slow
 def test_cli_writes_csv_and_png(cli_runs):
   rc, output, out = cli_runs["smoke"]
   assert rc == 0, output[-3000:]

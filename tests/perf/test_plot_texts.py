@@ -9,6 +9,7 @@ compares every text's bounding box with the figure's.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from zaya_jax.perf import collectives, gemm, memory, mesh_sweep, report, run_plots
 
@@ -64,6 +65,7 @@ def _figures(tmp_path):
                                           f"4 layers, batch 16 x seq 256. {HOST}")
 
 
+@pytest.mark.slow
 def test_every_plot_keeps_its_texts_inside_the_figure(tmp_path):
   figures = list(_figures(tmp_path))
   assert len(figures) == 8

@@ -107,6 +107,7 @@ def _hlo_dot_flops(fn, *args) -> int:
   return dot_flops(jax.jit(fn).lower(*args).as_text(dialect="hlo"))
 
 
+@pytest.mark.slow
 def test_forward_and_train_flops_match_hlo():
   """Compiled dot FLOPs of the forward = our GEMMs + the XLA path's attention (8 causal query
   blocks, each against the keys up to its end: `attention.causal_block_attention`) + the

@@ -47,6 +47,7 @@ def test_config_file_problem_reads_every_flag_form(tmp_path):
   assert config_file_problem(["prog", "--config="]).startswith("--config= is empty")
 
 
+@pytest.mark.slow
 def test_missing_config_file_is_one_line():
   want = ("invalid flags: --config=configs/nope.py: no such file (relative paths start at the "
           f"current directory, {REPO}); give an existing config file, e.g. "
@@ -73,6 +74,7 @@ def _can_mount_read_only(tmp_path) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_read_only_workdir_is_one_line(tmp_path):
   if not _can_mount_read_only(tmp_path):
     pytest.skip("needs `unshare -m` and a read-only bind mount (root with CAP_SYS_ADMIN); "
@@ -124,6 +126,7 @@ def test_read_only_workdir_is_one_line(tmp_path):
 
 # --- item 6: a run shorter than its config's warm-up ---------------------------------------
 
+@pytest.mark.slow
 def test_short_run_clamps_the_warm_up_with_one_warning(tmp_path):
   """zaya1_tiny (30 warm-up steps) with num_steps=20 used to stop on the config error; now
   one warning and the run goes on (here to the next check: a --workdir that is a file, so

@@ -49,6 +49,7 @@ def settle_step(mom: np.ndarray, threshold: float = 1.1) -> int | None:
   return 0 if above.size == 0 else (int(above[-1]) + 1 if above[-1] + 1 < len(mom) else None)
 
 
+@pytest.mark.slow
 def test_pid_default_gains_balance_a_skewed_router():
   mom, b, _ = simulate(BalanceConfig(mode="pid"), steps=150)
   assert mom[0] > 3.0  # two experts take most of the tokens at the start
@@ -141,6 +142,7 @@ def tiny():
   return model_cfg, state, step
 
 
+@pytest.mark.slow
 def test_train_step_moves_biases_against_the_load(tiny):
   model_cfg, state, step = tiny
   l, x = model_cfg.num_layers, model_cfg.num_router_classes
@@ -189,6 +191,7 @@ def test_state_without_controller_state_gets_zeros(tiny):
   assert new.balance["integral"].shape == (model_cfg.num_layers, model_cfg.num_router_classes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("router_init,mode", [("fan_in", "pid"), ("fan_in", "quantile"),
                                               ("fan_in", "adamw"), ("normal", "pid"),
                                               ("normal", "quantile")])

@@ -43,6 +43,7 @@ solve = jax.jit(quantile_biases, static_argnums=(3, 4))
 B0 = jnp.zeros((L, X)).at[:, -1].set(-1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
 def test_quantile_biases_balance_their_own_batch_exactly(temperature):
   probs = skewed_probs(jax.random.key(0), temperature=temperature)
@@ -68,6 +69,7 @@ def test_quantile_with_a_skip_target_solves_the_skip_class_too():
   np.testing.assert_array_equal(np.abs(counts[:, :E] - 384) <= 1, True)  # (4096 - 1024) / 8
 
 
+@pytest.mark.slow
 def test_quantile_ties_and_empty_layers():
   # Identical tokens: no bias can split them; the solve stays finite.
   same = jnp.broadcast_to(jax.nn.softmax(jnp.arange(X, dtype=jnp.float32)), (L, 64, X))
@@ -83,6 +85,7 @@ def test_quantile_ties_and_empty_layers():
                                 high_skip)
 
 
+@pytest.mark.slow
 def test_quantile_step_ema_clamp_and_skipped_update():
   probs = skewed_probs(jax.random.key(3), n=1024)
   valid = jnp.ones((1024,), bool)
@@ -133,6 +136,7 @@ def settle_step(mom: np.ndarray, threshold: float = 1.1) -> int | None:
   return 0 if above.size == 0 else (int(above[-1]) + 1 if above[-1] + 1 < len(mom) else None)
 
 
+@pytest.mark.slow
 def test_quantile_balances_a_skewed_router_within_five_steps():
   """The default rule ("quantile", `quantile_apply="next"`: one histogram step per train step,
   EMA 0.5) on a fixed skewed router over fresh tokens: from max/mean ~2.9 it is at the
@@ -195,6 +199,7 @@ def drifting_share_error(cfg: BalanceConfig, steps: int = 60, drift: float = 0.0
   return np.asarray(err)
 
 
+@pytest.mark.slow
 def test_quantile_integral_removes_the_lag_behind_a_drifting_router():
   """A lagged rule behind a router that drifts at a constant rate: the EMA step alone (a type-1
   loop) holds a constant overload of the favoured experts; with the integral (type 2) it
@@ -238,6 +243,7 @@ def test_gap_histogram_and_quantile_match_a_numpy_reference():
       assert abs(above - 60) <= hist[l, x, j], (l, x, above, delta[l, x])
 
 
+@pytest.mark.slow
 def test_histogram_steps_on_one_batch_converge_to_the_targets():
   """Repeated half steps of `histogram_biases` on one batch reach the exact solve's balance
   (every expert within 2% of its share), keep the skip bias and centre the expert biases;
@@ -258,6 +264,7 @@ def test_histogram_steps_on_one_batch_converge_to_the_targets():
   np.testing.assert_array_equal(step(probs, jnp.zeros((N,), bool), B0, None, 1, 1.0), B0)
 
 
+@pytest.mark.slow
 def test_adamw_balances_a_skewed_router():
   cfg = BalanceConfig(mode="adamw")
   mom, ent, b = simulate(cfg, steps=150, n=16384)  # 2048 tokens per expert: noise ~3%

@@ -81,6 +81,7 @@ def test_every_causal_mode_routes_with_fixed_biases():
   assert batch_balance_of(BalanceConfig(quantile_apply="current")) is not None
 
 
+@pytest.mark.slow
 def test_early_positions_do_not_see_later_tokens(steps):
   state, step = steps
   batch = _batch(0)

@@ -32,6 +32,7 @@ def trained(tmp_path_factory):
   return workdir, jax.device_get(state)
 
 
+@pytest.mark.slow
 def test_checkpoint_drop_optimizer_and_hf_equal_the_loop(trained, tmp_path):
   workdir, final = trained
   want = run_records(workdir, "eval")[STEPS]

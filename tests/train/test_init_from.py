@@ -52,6 +52,7 @@ def _assert_fresh_from(state, want):
   assert moments and all(not np.any(m) for m in moments)
 
 
+@pytest.mark.slow
 def test_from_run_dir_step_dir_and_drop_optimizer_copy(source, tmp_path):
   workdir, final = source
   state, what = _initial(workdir)

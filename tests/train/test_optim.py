@@ -128,6 +128,7 @@ class Toy(nnx.Module):
     self.norm = param((2, 4), ("layers", "embed"))
 
 
+@pytest.mark.slow
 def test_muon_update_is_per_layer_and_expert_orthogonalised_momentum():
   lr, wd, beta = 0.05, 0.1, 0.9
   train = TrainConfig(optimizer="muon", schedule="wsd", decay_fraction=0.0, warmup_steps=0,
@@ -302,6 +303,7 @@ def test_config_files_carry_the_optimizer_fields():
 
 # --- a real train step -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_muon_train_step_changes_every_parameter():
   model_cfg = tiny_model_config()
   train_cfg = TrainConfig(num_steps=10, warmup_steps=0, lr=1e-2, batch_size=2, seq_len=12,

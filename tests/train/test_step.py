@@ -27,6 +27,7 @@ def setup():
   return model_cfg, graphdef, state, step
 
 
+@pytest.mark.slow
 def test_loss_is_masked_mean_cross_entropy(setup):
   model_cfg, graphdef, state, step = setup
   batch = random_batch(np.random.default_rng(0))
@@ -107,6 +108,7 @@ def applied_rate(before, after):
   return float(np.median(delta[delta > 0])) if delta.any() else 0.0
 
 
+@pytest.mark.slow
 def test_non_finite_update_is_skipped_and_counted(setup):
   """A poisoned update leaves params and optimizer moments bit-identical, advances the step,
   optax's counters and the schedule, and counts the skip; the next clean update applies and
@@ -151,6 +153,7 @@ def test_non_finite_update_is_skipped_and_counted(setup):
 _ONE_PASS = {}  # mode -> (state, metrics) of the whole batch in one pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum,mode", [(2, "pid"), (4, "pid"), (2, "quantile"), (2, "adamw")])
 def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   """Accumulating over micro-batches gives the whole batch's update: the same loss, gradient
@@ -196,6 +199,7 @@ def test_grad_accumulation_steps_must_divide_batch():
     TrainConfig(batch_size=6, grad_accum_steps=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks", [None, 1, 2, 6])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_cross_entropy_equals_logits_then_cross_entropy(chunks, bias):

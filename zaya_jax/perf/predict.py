@@ -201,18 +201,18 @@ def scaled_bytes(kind: str, nbytes: float, axes: tuple[str, ...], in_shard_map: 
 def node_split(axes: tuple[str, ...], mesh: dict[str, int], devices_per_node: int) -> tuple[int, int]:
   """`(g, m)`: devices of one group inside one node and nodes the group spans (g m = n).
 
-  Devices are numbered row-major over `MESH_AXES` (the last axis, `expert`, innermost); a node
-  holds `devices_per_node` consecutive ones. An axis only partly inside a node (its inner
-  factor) contributes that factor to g.
+  Devices are numbered row-major over `MESH_AXES` (the last axis innermost); a node holds
+  `devices_per_node` consecutive ones. An axis only partly inside a node (its inner factor)
+  contributes that factor to g. An axis missing from `mesh` has size 1.
   """
   room, inside = devices_per_node, 1
   for a in reversed(MESH_AXES):
-    size = mesh[a]
+    size = mesh.get(a, 1)
     local = math.gcd(size, room)  # the part of this axis that fits in the node
     room //= local
     if a in axes:
       inside *= local
-  n = math.prod(mesh[a] for a in axes)
+  n = math.prod(mesh.get(a, 1) for a in axes)
   return inside, n // inside
 
 
