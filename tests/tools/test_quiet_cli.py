@@ -40,10 +40,12 @@ def test_generate_reshape_sizing_are_quiet(workdir):
   summary = _run("launch.reshape_checkpoint", f"--src={workdir}", "--summary")
   _assert_quiet(summary, 0)
   assert "NamedShardingMetadata" not in summary.stdout
-  assert "sharding=mesh {data:1,fsdp:1,expert:1} P(None,'fsdp')" in summary.stdout
+  assert "sharding=mesh {data:1,fsdp:1,expert:1,context:1} P(None,'fsdp')" in summary.stdout
   shardings = [l.split("sharding=")[1].split("  bytes=")[0] for l in summary.stdout.splitlines()
                if "sharding=" in l]
-  assert shardings and max(map(len, shardings)) < 60, max(shardings, key=len)
+  # One short line per tensor: the mesh (41 characters with the four axes) and a
+  # PartitionSpec of at most four entries; orbax's own metadata repr runs to hundreds.
+  assert shardings and max(map(len, shardings)) < 75, max(shardings, key=len)
   sizing = _run("launch.sizing", "--config=configs/zaya1_tiny.py", "--num_devices=1")
   _assert_quiet(sizing, 0)
   # A real error still shows, as one line.

@@ -155,6 +155,7 @@ _ONE_PASS = {}  # mode -> (state, metrics) of the whole batch in one pass
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accum,mode", [(2, "pid"), (4, "pid"), (2, "quantile"), (2, "adamw")])
+@pytest.mark.usefixtures("default_xla_optimizations")
 def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   """Accumulating over micro-batches gives the whole batch's update: the same loss, gradient
   norm, new parameters, Adam moments, routing counts and controller-moved biases. The batch

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from zaya_jax.config import TrainConfig
-from zaya_jax.config.mesh import MESH_AXES, MeshConfig
+from zaya_jax.config.mesh import CONTEXT, MESH_AXES, MeshConfig
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.accelerators import AcceleratorProfile
 from zaya_jax.parallel.mesh import FSDP, make_mesh, use_mesh
@@ -273,6 +273,9 @@ def price_ops(hlo_text: str | hlo.HloModule, compile_mesh: dict[str, int],
     ValueError: an axis name missing from either mesh, or a collective without groups.
   """
   module = hlo_text if isinstance(hlo_text, hlo.HloModule) else hlo.parse_hlo(hlo_text)
+  # A mesh written without `context` (the axis added last) has context 1.
+  compile_mesh = {CONTEXT: 1, **compile_mesh}
+  target_mesh = {CONTEXT: 1, **target_mesh}
   for mesh in (compile_mesh, target_mesh):
     if set(mesh) != set(MESH_AXES):
       raise ValueError(f"mesh {mesh} must name exactly the axes {MESH_AXES}")
