@@ -58,6 +58,26 @@ def test_constant_keeps_the_old_final_lr_and_survives_later_resumes():
   assert again.schedule_steps == 6
 
 
+def test_a_run_whose_warmup_was_clamped_resumes_longer():
+  """zaya1_tiny's 30 warm-up steps in a 20-step run warm up over 19 (`clamp_warmup`); resumed
+  with num_steps=30 (warm-up clamped to 29) the saved schedule is rebuilt with the warm-up it
+  trained with. Before, rebuilding it with 29 warm-up steps over a 20-step horizon raised
+  "warmup_steps=29 must be < schedule_steps=20" whatever schedule_extend was."""
+  def resolved(num_steps, **kw):
+    return resolve(tiny_run_config(num_steps=num_steps, warmup_steps=30, **kw)).train
+  old = resolved(20)
+  assert old.warmup_steps == 19
+  with pytest.raises(ConfigError) as e:
+    extend_schedule(_saved(old), resolved(30), 20)
+  final, warming = _lrs(old, [20])[0], _lrs(resolved(30), [20])[0]
+  assert "train.num_steps 20 -> 30" in str(e.value) and f"{final:.3e} -> {warming:.3e}" in str(e.value)
+  kept = extend_schedule(_saved(old), resolved(30, schedule_extend="constant"), 20)
+  assert (kept.warmup_steps, kept.schedule_steps, kept.num_steps) == (19, 20, 30)
+  assert _lrs(kept, range(21)) == _lrs(old, range(21))
+  stretched = extend_schedule(_saved(old), resolved(30, schedule_extend="stretch"), 20)
+  assert (stretched.warmup_steps, stretched.schedule_steps) == (29, 0)
+
+
 def test_stretch_recomputes():
   new = extend_schedule(_saved(_train()), _train(num_steps=12, schedule_extend="stretch"), 6)
   assert new.schedule_steps == 0

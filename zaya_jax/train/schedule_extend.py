@@ -11,6 +11,11 @@ learning rate under the saved horizon and under the new one:
     resumes): the old schedule continues, at its final rate after its end;
   "stretch": the schedule is recomputed over the new horizon, the jump is logged as a warning.
 A resume with the same `num_steps` and `schedule_steps=0` keeps the saved `schedule_steps`.
+
+The saved schedule is rebuilt with the warm-up clamped to its horizon as `clamp_warmup` clamps
+a short run's: a 20-step run of a config with 30 warm-up steps warmed up over 19, and resuming
+it with num_steps=30 (whose own warm-up is clamped to 29) compares against that schedule and,
+with "constant", continues it (warm-up 19, horizon 20).
 """
 
 from __future__ import annotations
@@ -20,10 +25,20 @@ from typing import Any
 
 from absl import logging
 
-from zaya_jax.config import ConfigError, TrainConfig
+from zaya_jax.config import ConfigError, TrainConfig, clamp_warmup
 from zaya_jax.train.optim import make_schedule, schedule_horizon
 
 RTOL = 1e-6  # relative difference of the two rates below which the resume is continuous
+
+
+def _on_horizon(train: TrainConfig, horizon: int) -> TrainConfig:
+  """`train` with `schedule_steps=horizon` and its warm-up clamped to fit that horizon (the
+  rule of `clamp_warmup`, so a run that was clamped gets back the warm-up it trained with)."""
+  fields = {"warmup_steps": train.warmup_steps, "num_steps": train.num_steps,
+            "schedule_steps": horizon, "schedule": train.schedule,
+            "decay_fraction": train.decay_fraction}
+  clamp_warmup(fields)
+  return dataclasses.replace(train, schedule_steps=horizon, warmup_steps=fields["warmup_steps"])
 
 
 def extend_schedule(saved_train: dict[str, Any], train: TrainConfig, step: int) -> TrainConfig:
@@ -36,8 +51,9 @@ def extend_schedule(saved_train: dict[str, Any], train: TrainConfig, step: int) 
     step: the checkpoint's step (updates done); the next update's rate is compared.
 
   Returns:
-    `train`, with `schedule_steps` set to the saved horizon when the old schedule is kept
-    (same num_steps, or "constant"); `train` itself when nothing changes.
+    `train`, with `schedule_steps` set to the saved horizon (and the warm-up clamped to it)
+    when the old schedule is kept (same num_steps, or "constant"); `train` itself when
+    nothing changes.
 
   Raises:
     ConfigError: `schedule_extend="refuse"` and the next learning rate would change; names
@@ -49,11 +65,12 @@ def extend_schedule(saved_train: dict[str, Any], train: TrainConfig, step: int) 
   if step >= train.num_steps:  # nothing to train: the loop warns
     return train
   if train.num_steps == saved_num and not train.schedule_steps:
-    return dataclasses.replace(train, schedule_steps=saved_steps)  # the horizon survives
+    return _on_horizon(train, saved_steps) if saved_steps else train  # the horizon survives
   new_horizon = schedule_horizon(train)
   if new_horizon == old_horizon:
     return train
-  old_lr = float(make_schedule(dataclasses.replace(train, schedule_steps=old_horizon))(step))
+  old_train = _on_horizon(train, old_horizon)
+  old_lr = float(make_schedule(old_train)(step))
   new_lr = float(make_schedule(dataclasses.replace(train, schedule_steps=new_horizon))(step))
   change = f"train.num_steps {saved_num} -> {train.num_steps}"
   if abs(new_lr - old_lr) <= RTOL * max(abs(old_lr), abs(new_lr)):
@@ -64,7 +81,7 @@ def extend_schedule(saved_train: dict[str, Any], train: TrainConfig, step: int) 
     logging.info("%s at step %d: train.schedule_extend=constant keeps the %d-step %s schedule "
                  "(next lr %.3e; constant at its final value after step %d)", change, step,
                  old_horizon, train.schedule, old_lr, old_horizon)
-    return dataclasses.replace(train, schedule_steps=old_horizon)
+    return old_train
   if train.schedule_extend == "stretch":
     logging.warning("%s at step %d: train.schedule_extend=stretch recomputes the %s schedule "
                     "over %d steps; the lr jumps %.3e -> %.3e", change, step, train.schedule,
