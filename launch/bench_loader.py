@@ -70,6 +70,10 @@ def main(argv):
                                 devices_per_process=_PER_PROCESS.value, seq_len=_SEQ.value)
     batch = _BATCH.value or need.batch_size * need.devices_per_process // need.num_devices
     if _SYNTHETIC.value is not None:
+      for name, flag in (("synthetic_documents", _SYNTHETIC), ("docs_per_shard", _DOCS_PER_SHARD),
+                         ("mean_tokens", _MEAN_TOKENS)):
+        if flag.value < 1:
+          raise ValueError(f"--{name}={flag.value} must be >= 1")
       result = loader_scale.measure_scale(
           _SYNTHETIC.value, _SYNTHETIC_DIR.value, seq_len=need.seq_len, batch_size=batch,
           steps=_STEPS.value, docs_per_shard=_DOCS_PER_SHARD.value,

@@ -374,7 +374,7 @@ def test_make_mesh_on_8_devices():
 
 
 def test_mesh_config_rejects_two_inferred_axes():
-  with pytest.raises(ValueError, match="at most one axis may be -1"):
+  with pytest.raises(ValueError, match="at most one mesh axis may be -1"):
     MeshConfig(data=-1, fsdp=-1, expert=1)
   with pytest.raises(ValueError, match="mesh.expert=0"):
     MeshConfig(expert=0)

@@ -72,3 +72,9 @@ def test_cli(corpus):
       cwd=REPO, capture_output=True, text=True, timeout=300)
   assert bad.returncode == 1 and "Traceback" not in bad.stderr
   assert bad.stderr.strip().splitlines()[-1].startswith("launch.bench_loader: --num_workers=a")
+  negative = subprocess.run(
+      [sys.executable, "-m", "launch.bench_loader", "--synthetic_documents=-5"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert negative.returncode == 1 and "Traceback" not in negative.stderr
+  assert negative.stderr.strip().splitlines()[-1] == (
+      "launch.bench_loader: --synthetic_documents=-5 must be >= 1")

@@ -37,7 +37,8 @@ class MeshConfig:
   def __post_init__(self):
     sizes = dataclasses.asdict(self)
     if sum(v == -1 for v in sizes.values()) > 1:
-      raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
+      raise ValueError(f"at most one mesh axis may be -1 (inferred), got {sizes}; give the "
+                       "others their sizes")
     for k, v in sizes.items():
       if v != -1 and (not isinstance(v, int) or v < 1):
         raise ValueError(f"mesh.{k}={v!r} must be a positive integer or -1 (inferred)")
