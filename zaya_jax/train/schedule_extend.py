@@ -34,9 +34,7 @@ RTOL = 1e-6  # relative difference of the two rates below which the resume is co
 def _on_horizon(train: TrainConfig, horizon: int) -> TrainConfig:
   """`train` with `schedule_steps=horizon` and its warm-up clamped to fit that horizon (the
   rule of `clamp_warmup`, so a run that was clamped gets back the warm-up it trained with)."""
-  fields = {"warmup_steps": train.warmup_steps, "num_steps": train.num_steps,
-            "schedule_steps": horizon, "schedule": train.schedule,
-            "decay_fraction": train.decay_fraction}
+  fields = {**dataclasses.asdict(train), "schedule_steps": horizon}
   clamp_warmup(fields)
   return dataclasses.replace(train, schedule_steps=horizon, warmup_steps=fields["warmup_steps"])
 
