@@ -21,27 +21,12 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from tests.helpers import CACHE_MAX_SIZE_BYTES, cache_env
-
 MULTIDEVICE_COUNT = 8  # devices a `multidevice` test needs
 
 
 def pytest_collection_modifyitems(config, items):
-  """Runs the modules with the most `slow` tests first, then the rest in their usual order,
-  and skips `multidevice` tests when `jax.device_count() < MULTIDEVICE_COUNT`.
-
-  The order matters under `-n 2 --dist loadfile`: each worker takes the next module when it
-  is free, so the long modules (the training CLI, several processes) start at once and the
-  short ones fill in at the end, instead of one worker ending on a long module alone. The
-  sort is stable and depends on the collected items only, so every worker sees the same
-  order."""
+  """Skips `multidevice` tests when `jax.device_count() < MULTIDEVICE_COUNT`."""
   del config
-  slow_per_module: dict[str, int] = {}
-  for item in items:
-    slow_per_module.setdefault(item.nodeid.split("::")[0], 0)
-    if "slow" in item.keywords:
-      slow_per_module[item.nodeid.split("::")[0]] += 1
-  items.sort(key=lambda item: -slow_per_module[item.nodeid.split("::")[0]])
   marked = [item for item in items if "multidevice" in item.keywords]
   if not marked or jax.device_count() >= MULTIDEVICE_COUNT:  # only then start the backend
     return
@@ -103,19 +88,18 @@ def _on_compile_event(event, duration, **kwargs):
         [str(kwargs.get("fun_name", "?")), round(duration, 3)])
 
 
-_SHARED_CACHE_VAR = "ZAYA_TEST_SESSION_CACHE"  # set by the process that made the directory
-_session_cache: str | None = None  # the directory, in the process that removes it at the end
+_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+_session_cache: str | None = None
 
 
 def pytest_configure(config):
-  """JAX's persistent compilation cache for the whole session: one fresh directory for the
-  pytest run, made by the process that starts first (the xdist controller, or pytest itself
-  without xdist) and removed by it at the end, shared by both xdist workers and every
-  subprocess they start (JAX's file lock guards each entry: tests/helpers.py
-  `CACHE_MAX_SIZE_BYTES`); never shared between machines or jobs. Every program is written (no minimum compile time or
+  """JAX's persistent compilation cache for the whole session: one fresh directory per
+  process (each xdist worker has its own, so no two writers share it; removed at the end;
+  never shared between machines or jobs), every program written (no minimum compile time or
   size). Set in `os.environ` as well as in this process's jax config, so every subprocess a
   test starts (the CLI runs) reads and writes the same cache: the suite compiles each
-  distinct program about once, whichever worker's test compiles it first. A test that needs a cold compile, or a multi-process run
+  distinct program about once. A test that needs a cold compile, or a multi-process run
   (tests/helpers.py `launch_devices`), sets or removes `JAX_COMPILATION_CACHE_DIR` in its
   child's environment. `ZAYA_TEST_NO_COMPILE_CACHE=1` turns it off (to check that no test
   depends on it). The cache hits on CPU with jax 0.10.2 (jax#38445 reports CPU entries
@@ -138,15 +122,12 @@ def pytest_configure(config):
   if os.environ.get("ZAYA_TEST_NO_COMPILE_CACHE") == "1":
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
   else:
-    cache = os.environ.get(_SHARED_CACHE_VAR)
-    if cache is None or not os.path.isdir(cache):  # the first process of this run: make it
-      cache = _session_cache = tempfile.mkdtemp(prefix="zaya_jax_compile_cache_")
-      os.environ[_SHARED_CACHE_VAR] = cache  # inherited by the xdist workers
-    os.environ.update(cache_env(cache))
-    jax.config.update("jax_compilation_cache_dir", cache)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _session_cache = tempfile.mkdtemp(prefix=f"zaya_jax_compile_cache_{worker}_")
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": _session_cache, **_CACHE_ENV})
+    jax.config.update("jax_compilation_cache_dir", _session_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_SIZE_BYTES)
     compilation_cache.reset_cache()
   if os.environ.get("ZAYA_COMPILE_REPORT"):
     jax.monitoring.register_event_duration_secs_listener(_on_compile_event)

@@ -172,19 +172,12 @@ CLI_TRAIN_OVERRIDES = [
 ]
 
 
-# A size limit (far above what the suite writes, ~2 GB) turns on JAX's file lock around every
-# read and write of the cache (jax/_src/lru_cache.py), so that the xdist workers and their
-# subprocesses can share one directory (tests/conftest.py).
-CACHE_MAX_SIZE_BYTES = 32 << 30
-
-
 def cache_env(cache_dir) -> dict[str, str]:
   """The environment of a subprocess that reads and writes JAX's persistent compilation
   cache in `cache_dir` (a job-local directory, never shared between machines)."""
   return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-          "JAX_COMPILATION_CACHE_MAX_SIZE": str(CACHE_MAX_SIZE_BYTES)}
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
 def launch_train(workdir, cache_dir, *extra) -> subprocess.Popen:
