@@ -5,9 +5,14 @@
       --batch_size=1024 --seq_len=4096 --dtype=bfloat16 --remat=full
 
 Nothing runs on a device: the figures are arithmetic on the config (zaya_jax.model.sizing,
-zaya_jax.perf.roofline). `--mesh` is data,fsdp,expert (one may be -1); default FSDP over all
-devices. The global batch defaults to config.train.batch_size, rounded up to a multiple of
-the device count.
+zaya_jax.perf.roofline). `--mesh` is data,fsdp,expert[,context] (one may be -1; context
+default 1); default FSDP over all devices. With context C > 1 (context parallelism) each
+sequence is split over C devices: the memory table adds the gathered K/V and the step adds
+the K/V all-gather / reduce-scatter, the halo exchange and the gradient all-reduce over
+`context` (README "Context parallelism"). The global batch defaults to
+config.train.batch_size, rounded up to a multiple of the batch shards (devices / context).
+
+  python -m launch.sizing --config=configs/zaya1_base_32k.py --num_devices=64 --mesh=1,-1,8,2
 
 `--gemm_table=bench_gemm.csv` (from `python -m launch.bench_gemm --config=... --out=DIR`,
 run on the user's own accelerator) replaces the roofline time of every GEMM by the measured
@@ -49,7 +54,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_base.py.", lock_config=True)
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the mesh.")
 _PROFILE = flags.DEFINE_string("profile", "mi300x", "Accelerator profile: mi300x, mi325x, h100, h200.")
-_MESH = flags.DEFINE_string("mesh", None, "data,fsdp,expert sizes (one may be -1); default 1,-1,1.")
+_MESH = flags.DEFINE_string("mesh", None, "data,fsdp,expert[,context] sizes (one may be -1); "
+                            "default 1,-1,1,1.")
 _BATCH = flags.DEFINE_integer("batch_size", None, "Global sequences per step; default "
                               "config.train.batch_size rounded up to a multiple of num_devices.")
 _SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence; default config.train.seq_len.")
@@ -89,7 +95,7 @@ def _mesh(flag: str, text: str) -> MeshConfig:
   try:
     return MeshConfig(*(int(v) for v in text.split(",")))
   except (TypeError, ValueError) as e:
-    raise ValueError(f"--{flag}={text!r}: expected data,fsdp,expert integers ({e})") from e
+    raise ValueError(f"--{flag}={text!r}: expected data,fsdp,expert[,context] integers ({e})") from e
 
 
 def _predict(model_cfg, train_cfg, balance, profile) -> None:
@@ -100,6 +106,9 @@ def _predict(model_cfg, train_cfg, balance, profile) -> None:
       raise ValueError(f"--compile_mesh={_COMPILE_MESH.value!r}: give every axis (no -1)")
     target = _mesh("mesh", _MESH.value) if _MESH.value else MeshConfig()
     target.shape(_NUM_DEVICES.value)  # raises for a mesh that does not fit --num_devices
+    if compile_mesh.context != 1 or target.context != 1:
+      raise ValueError("--predict_step prices meshes without context parallelism (context 1); "
+                       "drop --predict_step for the analytic figures of the context axis")
     _positive("seqs_per_device", _SEQS.value)
     net = predict.network_from_profile(profile, intra_latency=_INTRA_LAT.value * 1e-6,
                                        inter_latency=_INTER_LAT.value * 1e-6)
@@ -145,14 +154,10 @@ def main(argv):
       _positive(name, flag.value)
     model_cfg, train_cfg, _, _ = synthetic_configs(_CONFIG.value)
     profile = get_profile(_PROFILE.value)
-    mesh = None
-    if _MESH.value:
-      try:
-        mesh = MeshConfig(*(int(v) for v in _MESH.value.split(",")))
-      except (TypeError, ValueError) as e:
-        raise ValueError(f"--mesh={_MESH.value!r}: expected data,fsdp,expert integers ({e})") from e
+    mesh = _mesh("mesh", _MESH.value) if _MESH.value else None
     n = _NUM_DEVICES.value
-    batch = _BATCH.value or -(-train_cfg.batch_size // n) * n
+    shards = n // (mesh or MeshConfig()).shape(n)["context"]  # batch shards
+    batch = _BATCH.value or -(-train_cfg.batch_size // shards) * shards
     remat = _REMAT.value or ("full" if model_cfg.remat else "none")
     table = None
     if _GEMM_TABLE.value:

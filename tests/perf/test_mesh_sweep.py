@@ -123,14 +123,14 @@ def test_mesh_sweep_cli_on_8_fake_devices(tmp_path):
   a2a, ag = str(tmp_path / "a2a"), str(tmp_path / "ag")
   procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-           for cmd in (_sweep_cmd(a2a, "1,1,8", "all_to_all", "--compile_only"),
+           for cmd in (_sweep_cmd(a2a, "1,1,8;1,1,4,2", "all_to_all", "--compile_only"),
                        _sweep_cmd(ag, "2,1,4", "allgather", "--steps=2"))]
   logs = [p.communicate(timeout=240)[0] for p in procs]
   for p, log in zip(procs, logs):
     assert p.returncode == 0, log[-3000:]
     assert "fake XLA:CPU devices" in log
 
-  (row_a2a,), (row_ag,) = _read(a2a), _read(ag)
+  (row_a2a, row_cp), (row_ag,) = _read(a2a), _read(ag)
   assert tuple(row_a2a) == mesh_sweep.CSV_COLUMNS
   for row in (row_a2a, row_ag):
     for col in ("arg_bytes", "temp_bytes", "total_bytes", "flops", "dot_flops"):
@@ -139,6 +139,11 @@ def test_mesh_sweep_cli_on_8_fake_devices(tmp_path):
   assert float(row_a2a["all_to_all_bytes"]) > 0 and row_a2a["step_s"] == ""
   assert float(row_ag["all_gather_bytes"]) > 0 and float(row_ag["reduce_scatter_bytes"]) > 0
   assert float(row_ag["step_s"]) > 0 and float(row_ag["tokens_per_s"]) > 0
+  # Context parallelism (mesh 1,1,4,2): CCA's halo is a collective-permute and its K/V an
+  # all-gather over `context`; the 2,1,4 row has neither the axis nor a halo.
+  assert (row_cp["context"], row_a2a["context"], row_ag["context"]) == ("2", "1", "1")
+  assert float(row_cp["collective_permute_bytes"]) > 0 and float(row_cp["all_gather_bytes"]) > 0
+  assert float(row_ag["collective_permute_bytes"]) == 0
   # all_to_all with capacity 1.25 moves about 1.25x the analytic minimum; allgather n/2 x more.
   ratio = float(row_a2a["moe_exchange_bytes"]) / float(row_a2a["a2a_analytic_bytes"])
   assert 1.0 <= ratio <= 1.5, ratio

@@ -210,6 +210,40 @@ def test_estimate_roofline_and_memory():
     roofline.estimate(cfg, prof, num_devices=64, batch_size=64, seq_len=4096, mesh=MeshConfig(1, 3, 2))
 
 
+def test_estimate_with_context_parallelism():
+  """`mesh.context` C: twice the devices at C = 2 hold half the tokens each; the gathered K/V
+  and the context collectives are the hand-computed ones; the attention of the last shard
+  sees (2C - 1)/C of the mean keys."""
+  cfg, prof = ModelConfig(), get_profile("mi300x")
+  t, b = 32768, 8
+  one = roofline.estimate(cfg, prof, num_devices=8, batch_size=b, seq_len=t, mesh=MeshConfig(1, 8, 1))
+  two = roofline.estimate(cfg, prof, num_devices=16, batch_size=b, seq_len=t,
+                          mesh=MeshConfig(1, 8, 1, 2))
+  assert one.mesh["context"] == 1 and two.mesh == {"data": 1, "fsdp": 8, "expert": 1, "context": 2}
+  assert one.tokens_per_device == t and two.tokens_per_device == t // 2
+  assert two.memory["activations"] == pytest.approx(one.memory["activations"] / 2)
+  assert two.memory["logits"] == one.memory["logits"] / 2
+  assert not any(k.startswith("context") for k in {**one.memory, **one.comm_seconds})
+  # One sequence per device; every layer keeps its gathered bf16 K and V of all t tokens.
+  kv = t * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+  assert two.memory["context_gathered_kv"] == cfg.num_layers * kv
+  # Two adjacent devices of one node: each receives the other's half (ring: (2-1)/2).
+  assert two.comm_seconds["context_kv_all_gather"] == pytest.approx(
+      cfg.num_layers * 2 * (kv / 2) / prof.scale_up_bandwidth)
+  halo_rows = (cfg.cca_time0 + cfg.cca_time1 - 2) * (cfg.num_heads + cfg.num_kv_heads) + cfg.num_kv_heads // 2
+  assert two.comm_seconds["context_halo"] == pytest.approx(
+      cfg.num_layers * 2 * halo_rows * cfg.head_dim * 2 / prof.scale_up_bandwidth)
+  assert two.other_seconds["attention"] == pytest.approx(one.other_seconds["attention"] / 2 * 1.5)
+  # The same 3-axis mesh written with context 1 gives the same figures.
+  again = roofline.estimate(cfg, prof, num_devices=8, batch_size=b, seq_len=t,
+                            mesh=MeshConfig(1, 8, 1, 1))
+  assert again.step_seconds == one.step_seconds and again.memory == one.memory
+  with pytest.raises(ValueError, match="seq_len=32769 is not divisible by mesh context=2"):
+    roofline.estimate(cfg, prof, num_devices=16, batch_size=b, seq_len=t + 1, mesh=MeshConfig(1, 8, 1, 2))
+  with pytest.raises(ValueError, match="batch_size=4 is not divisible by the 8 batch shards"):
+    roofline.estimate(cfg, prof, num_devices=16, batch_size=4, seq_len=t, mesh=MeshConfig(1, 8, 1, 2))
+
+
 def test_rules_flag_misaligned_and_small_gemms():
   prof = get_profile("mi300x")
   good = sizing.check_rules(ModelConfig(), 16384, prof)
@@ -231,10 +265,12 @@ def _cli(*args):
 
 @pytest.mark.slow
 def test_cli_tiny_and_bad_flags():
-  out = _cli("--config=configs/zaya1_tiny.py", "--num_devices=8", "--batch_size=8", "--seq_len=256")
+  out = _cli("--config=configs/zaya1_tiny.py", "--num_devices=8", "--batch_size=8", "--seq_len=256",
+             "--mesh=1,-1,1,2")
   assert out.returncode == 0, out.stderr
   for part in ("Parameters", "FLOPs per token", "Memory per device", "GEMMs per device", "MFU",
-               "Decode", "Prefill", "Sizing rule violations", "moe.expert_up_gate"):
+               "Decode", "Prefill", "Sizing rule violations", "moe.expert_up_gate",
+               "context=2", "context_gathered_kv", "comm: context_kv_all_gather"):
     assert part in out.stdout
   bad = _cli("--config=configs/zaya1_tiny.py", "--profile=tpu9")
   assert bad.returncode != 0 and "tpu9" in bad.stderr and "Traceback" not in bad.stderr

@@ -35,7 +35,7 @@ from matplotlib.figure import Figure
 from zaya_jax.config import BalanceConfig, TrainConfig
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.dispatch import resolve_dispatch
-from zaya_jax.parallel.mesh import (EXPERT, MeshConfig, abstract_with_shardings,
+from zaya_jax.parallel.mesh import (CONTEXT, EXPERT, MeshConfig, abstract_with_shardings,
                                     check_divisibility, make_mesh, use_mesh)
 from zaya_jax.perf import report
 from zaya_jax.perf.hlo import COLLECTIVES, collective_ops, dot_flops, moe_exchange_bytes
@@ -161,7 +161,9 @@ def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConf
   Args:
     model_cfg: the model; `dispatch` (if given) replaces its `moe_dispatch`.
     train_cfg: the optimizer settings (its batch_size/seq_len are ignored).
-    mesh_cfg: devices along data, fsdp, expert; the product must equal the device count.
+    mesh_cfg: devices along data, fsdp, expert, context; the product must equal the device
+      count. With context > 1 the all-gather column holds the CCA K/V all-gathers and the
+      collective-permute column the CCA halo exchanges (README "Context parallelism").
     dispatch: a `zaya_jax.parallel.dispatch.DISPATCHES` name, or None for the config's.
     batch_size: B, global sequences per step.
     seq_len: T, tokens per sequence.
@@ -186,7 +188,8 @@ def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConf
   passes = 3 if model_cfg.remat else 2  # forward + backward (+ the forward again under remat)
   act_bytes = 2 if model_cfg.dtype == "bfloat16" else 4
   row: dict[str, Any] = {
-      "data": sizes["data"], "fsdp": sizes["fsdp"], "expert": sizes[EXPERT], "dispatch": resolved,
+      "data": sizes["data"], "fsdp": sizes["fsdp"], "expert": sizes[EXPERT],
+      "context": sizes[CONTEXT], "dispatch": resolved,
       "batch": batch_size, "seq": seq_len, "tokens_per_shard": tokens_per_shard,
       "a2a_analytic_bytes": (0.0 if sizes[EXPERT] == 1 else passes * model_cfg.num_layers *
                              analytic_all_to_all_bytes(tokens_per_shard, model_cfg.hidden_size,
@@ -240,14 +243,14 @@ def run_sweep(model_cfg: ModelConfig, train_cfg: TrainConfig, meshes: list[MeshC
                         seq_len=seq_len, steps=steps, balance=balance)
       except (ValueError, RuntimeError) as e:  # a mesh that does not divide; XLA errors
         row = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "expert": mesh_cfg.expert,
-               "dispatch": dispatch or model_cfg.moe_dispatch, "batch": batch_size,
+               "context": mesh_cfg.context, "dispatch": dispatch or model_cfg.moe_dispatch, "batch": batch_size,
                "seq": seq_len, "note": f"failed: {str(e).splitlines()[0][:200]}"}
       log(f"  done in {row.get('compile_s', 0.0):.1f} s {row['note']}")
       rows.append(row)
   return rows
 
 
-CSV_COLUMNS = ("data", "fsdp", "expert", "dispatch", "batch", "seq", "tokens_per_shard",
+CSV_COLUMNS = ("data", "fsdp", "expert", "context", "dispatch", "batch", "seq", "tokens_per_shard",
                "compile_s", "arg_bytes", "out_bytes", "alias_bytes", "temp_bytes", "code_bytes",
                "total_bytes", "flops", "dot_flops", "bytes_accessed",
                *(f"{k.replace('-', '_')}_bytes" for k in COLLECTIVES), "moe_exchange_bytes",
@@ -268,15 +271,20 @@ def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
   return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
+def _mesh_label(row: dict[str, Any]) -> str:
+  """`data,fsdp,expert,context` of a row (context 1 for rows written without it)."""
+  return f"{row['data']},{row['fsdp']},{row['expert']},{row.get('context', 1)}"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
   """The sweep as a fixed-width text table (MiB and GFLOP per device)."""
   mib, g = 2.0**20, 1e9
-  head = ("mesh d,f,e", "dispatch", "compile s", "args MiB", "out MiB", "temp MiB", "total MiB",
+  head = ("mesh d,f,e,c", "dispatch", "compile s", "args MiB", "out MiB", "temp MiB", "total MiB",
           "GFLOP xla", "GFLOP dot", "a2a MiB", "ag MiB", "rs MiB", "ar MiB", "perm MiB",
           "ragged MiB", "step s", "tok/s", "note")
   lines = []
   for r in rows:
-    lines.append((f"{r['data']},{r['fsdp']},{r['expert']}", r["dispatch"], _fmt(r.get("compile_s")),
+    lines.append((_mesh_label(r), r["dispatch"], _fmt(r.get("compile_s")),
                   _fmt(r.get("arg_bytes"), mib), _fmt(r.get("out_bytes"), mib),
                   _fmt(r.get("temp_bytes"), mib), _fmt(r.get("total_bytes"), mib),
                   _fmt(r.get("flops"), g), _fmt(r.get("dot_flops"), g),
@@ -287,12 +295,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def format_exchange_table(rows: list[dict[str, Any]]) -> str:
   """Per row with expert parallelism: MoE token-exchange bytes vs the analytic minimum."""
-  head = ("mesh d,f,e", "dispatch", "tokens/shard", "exchanged MiB", "analytic MiB", "ratio")
+  head = ("mesh d,f,e,c", "dispatch", "tokens/shard", "exchanged MiB", "analytic MiB", "ratio")
   lines = []
   for r in rows:
     if r.get("expert", 1) > 1 and r.get("moe_exchange_bytes") is not None:
       analytic = r["a2a_analytic_bytes"]
-      lines.append((f"{r['data']},{r['fsdp']},{r['expert']}", r["dispatch"],
+      lines.append((_mesh_label(r), r["dispatch"],
                     str(r["tokens_per_shard"]), _fmt(r["moe_exchange_bytes"], 2.0**20, 3),
                     _fmt(analytic, 2.0**20, 3),
                     f"{r['moe_exchange_bytes'] / analytic:.2f}" if analytic else "-"))
@@ -304,7 +312,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> Figure:
   bytes per device per step of each collective kind. Returns the
   Figure (written to `path`)."""
   rows = [r for r in rows if "compile_s" in r]
-  labels = [f"{r['data']},{r['fsdp']},{r['expert']}\n{r['dispatch']}" for r in rows]
+  labels = [_mesh_label(r) + f"\n{r['dispatch']}" for r in rows]
   x = np.arange(len(rows))
   fig = report.new_figure(max(8.0, 1.6 * len(rows)), 8.0)
   ax_mem, ax_col = fig.subplots(2, 1)

@@ -153,7 +153,12 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
     seq_len: tokens per sequence (also the decode context and the prefill prompt length).
     dtype: compute dtype of the GEMMs, "bfloat16" | "float32".
     remat: "none" | "full" (each layer recomputed in the backward pass).
-    mesh: axis sizes `data, fsdp, expert` (default: FSDP over all devices).
+    mesh: axis sizes `data, fsdp, expert, context` (default: FSDP over all devices). With
+      `context` C > 1 (context parallelism, zaya_jax/parallel/context.py) each sequence is
+      split into C contiguous shards: a device holds `batch_size / (devices / C)` sequences
+      of `seq_len / C` tokens, keeps the all-gathered compressed K/V of its sequences per
+      layer, and its step is the last shard's, whose causal attention sees
+      `(2C - 1) / C` of the mean keys (contiguous, not zigzag, shards).
     decode_batch: sequences decoded together (decode/prefill run on one device).
     gemm_seconds: measured time of one run of a GEMM (`count` is 1 in the Gemm passed) in
       `dtype`; default the roofline `max(compute, memory)`.
@@ -161,23 +166,27 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
     An `Estimate`.
   Raises:
     ValueError: naming the argument, for an unknown dtype / remat, a mesh that does not fit
-      `num_devices`, experts not divisible by the expert axis, or a batch not divisible by
-      the batch shards.
+      `num_devices`, experts not divisible by the expert axis, a batch not divisible by
+      the batch shards (data x fsdp x expert) or a `seq_len` not divisible by `context`.
   """
   if dtype not in DTYPE_BYTES:
     raise ValueError(f"dtype={dtype!r}; must be one of {tuple(DTYPE_BYTES)}")
   if remat not in REMATS:
     raise ValueError(f"remat={remat!r}; must be one of {REMATS}")
   sizes = (mesh or MeshConfig()).shape(num_devices)
-  fsdp, ep, dp = sizes["fsdp"], sizes["expert"], sizes["data"]
+  fsdp, ep, dp, cp = sizes["fsdp"], sizes["expert"], sizes["data"], sizes["context"]
   if cfg.num_experts % ep:
     raise ValueError(f"mesh expert={ep} does not divide model.num_experts={cfg.num_experts}")
-  if batch_size % num_devices:
-    raise ValueError(f"batch_size={batch_size} is not divisible by the {num_devices} batch shards "
+  batch_shards = num_devices // cp
+  if batch_size % batch_shards:
+    raise ValueError(f"batch_size={batch_size} is not divisible by the {batch_shards} batch shards "
                      "(data x fsdp x expert)")
+  if seq_len % cp:
+    raise ValueError(f"seq_len={seq_len} is not divisible by mesh context={cp}")
   c = DTYPE_BYTES[dtype]
   peak = profile.peak_flops(dtype)
-  tokens = batch_size // num_devices * seq_len
+  seqs = batch_size // batch_shards  # sequences (or sequence shards) per device
+  tokens = seqs * seq_len // cp
   timer = gemm_seconds or (lambda g, dt: roofline_seconds(g, profile, dt))
 
   # Memory per device.
@@ -194,6 +203,9 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
   memory = {"params": F32 * local, "grads": F32 * local, "optimizer": 2 * F32 * local,
             "gathered_weights": c * (2 * per_layer_active + params.embedding),
             "activations": act_bytes, "logits": tokens * cfg.vocab_size * 2 * F32}
+  kv_gathered = seqs * seq_len * 2 * cfg.num_kv_heads * cfg.head_dim * c  # one layer's K and V
+  if cp > 1:  # every layer's gathered K/V is kept for the backward pass (one with full remat)
+    memory["context_gathered_kv"] = kv_gathered * (1 if remat == "full" else cfg.num_layers)
   memory["total"] = sum(memory.values())
 
   # Compute: GEMMs forward + two backward GEMMs each, attention core, CCA convs.
@@ -201,23 +213,41 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
   for g in model_gemms(cfg, tokens, ep):
     gemms.append((g, _gemm_train_seconds(g, dtype, timer)))
   other = _other_seconds(cfg, profile, dtype, tokens, seq_len, passes=3)
+  other["attention"] *= (2 * cp - 1) / cp  # the last context shard's queries see the most keys
   compute = sum(s for _, s in gemms) + sum(other.values())
 
-  # Communication per device per step (ring algorithms: (n-1)/n of the payload).
+  # Communication per device per step (ring algorithms: (n-1)/n of the payload). Mesh axes
+  # are laid out data, fsdp, expert, context (context innermost: `config.mesh.MESH_AXES`), so
+  # an axis's devices are spaced by the product of the sizes after it.
   # Parameters one fsdp group gathers / reduce-scatters: every sharded one (experts: this
   # expert shard's); replicated ones are all-reduced over all devices, negligible here.
   fsdp_params = sum(v / (ep if params.sharding[k] == "fsdp*expert" else 1)
                     for k, v in params.breakdown.items() if params.sharding[k] != "replicated")
+  forwards = 1 if remat == "none" else 2  # the forward pass (+ its recomputation)
   comm = {}
   if fsdp > 1:
-    gathers = 2 if remat == "none" else 3  # forward, backward (+ the remat forward)
-    comm["fsdp_all_gather"] = gathers * collective_seconds(profile, fsdp_params * c, fsdp, ep)
-    comm["fsdp_reduce_scatter"] = collective_seconds(profile, fsdp_params * F32, fsdp, ep)
+    comm["fsdp_all_gather"] = (forwards + 1) * collective_seconds(profile, fsdp_params * c, fsdp,
+                                                                  ep * cp)
+    comm["fsdp_reduce_scatter"] = collective_seconds(profile, fsdp_params * F32, fsdp, ep * cp)
   if dp > 1:  # all-reduce = reduce-scatter + all-gather of the fsdp shard's float32 grads
-    comm["data_all_reduce"] = 2 * collective_seconds(profile, local * F32, dp, fsdp * ep)
+    comm["data_all_reduce"] = 2 * collective_seconds(profile, local * F32, dp, fsdp * ep * cp)
+  if cp > 1:
+    # Parameters are replicated over `context`: their float32 gradients are all-reduced over
+    # it too (priced on its own, before the data all-reduce: an upper bound).
+    comm["context_grad_all_reduce"] = 2 * collective_seconds(profile, local * F32, cp, 1)
+    # Per CCA layer: the K/V all-gather of each forward pass and the reduce-scatter of dK/dV.
+    comm["context_kv_all_gather"] = (cfg.num_layers * (forwards + 1)
+                                     * collective_seconds(profile, kv_gathered, cp, 1))
+    # Per CCA layer and pass: the previous shard's last pre-convolution [q0, k0] rows and
+    # delayed value row (`ModelConfig.context_halo`), one point-to-point send to the next
+    # device (forward and backward).
+    conv_rows, value_rows = cfg.context_halo
+    halo = seqs * (conv_rows * (cfg.num_heads + cfg.num_kv_heads) + value_rows * cfg.num_kv_heads // 2)
+    comm["context_halo"] = (cfg.num_layers * (forwards + 1) * halo * cfg.head_dim * c
+                            / profile.scale_up_bandwidth)
   if ep > 1:  # dispatch + combine, forward + backward: each token's D row leaves and returns
     payload = 2 * 3 * cfg.num_layers * tokens * cfg.hidden_size * c  # rows this device sends
-    comm["expert_all_to_all"] = collective_seconds(profile, payload, ep, 1)  # (ep-1)/ep leave
+    comm["expert_all_to_all"] = collective_seconds(profile, payload, ep, cp)  # (ep-1)/ep leave
   step = max(compute, sum(comm.values()))
   flops_tok = train_flops_per_token(cfg, seq_len)
   mfu = flops_tok * batch_size * seq_len / (step * num_devices * peak)
