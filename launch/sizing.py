@@ -57,7 +57,8 @@ _PROFILE = flags.DEFINE_string("profile", "mi300x", "Accelerator profile: mi300x
 _MESH = flags.DEFINE_string("mesh", None, "data,fsdp,expert[,context] sizes (one may be -1); "
                             "default 1,-1,1,1.")
 _BATCH = flags.DEFINE_integer("batch_size", None, "Global sequences per step; default "
-                              "config.train.batch_size rounded up to a multiple of num_devices.")
+                              "config.train.batch_size rounded up to a multiple of the batch shards "
+                              "(num_devices / context).")
 _SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence; default config.train.seq_len.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(roofline.DTYPE_BYTES), "GEMM compute dtype.")
 _REMAT = flags.DEFINE_enum("remat", None, list(roofline.REMATS),

@@ -243,8 +243,8 @@ def run_sweep(model_cfg: ModelConfig, train_cfg: TrainConfig, meshes: list[MeshC
                         seq_len=seq_len, steps=steps, balance=balance)
       except (ValueError, RuntimeError) as e:  # a mesh that does not divide; XLA errors
         row = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "expert": mesh_cfg.expert,
-               "context": mesh_cfg.context, "dispatch": dispatch or model_cfg.moe_dispatch, "batch": batch_size,
-               "seq": seq_len, "note": f"failed: {str(e).splitlines()[0][:200]}"}
+               "context": mesh_cfg.context, "dispatch": dispatch or model_cfg.moe_dispatch,
+               "batch": batch_size, "seq": seq_len, "note": f"failed: {str(e).splitlines()[0][:200]}"}
       log(f"  done in {row.get('compile_s', 0.0):.1f} s {row['note']}")
       rows.append(row)
   return rows
