@@ -93,8 +93,12 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def _mesh(flag: str, text: str) -> MeshConfig:
+  values = text.split(",")
+  if len(values) not in (3, 4):
+    raise ValueError(f"--{flag}={text!r}: expected 3 or 4 comma-separated integers "
+                     f"data,fsdp,expert[,context], got {len(values)}")
   try:
-    return MeshConfig(*(int(v) for v in text.split(",")))
+    return MeshConfig(*(int(v) for v in values))
   except (TypeError, ValueError) as e:
     raise ValueError(f"--{flag}={text!r}: expected data,fsdp,expert[,context] integers ({e})") from e
 

@@ -122,6 +122,22 @@ def _other_seconds(cfg: ModelConfig, profile: AcceleratorProfile, dtype: str, to
                                             cfg.num_layers * conv_bytes / profile.hbm_bandwidth)}
 
 
+def last_shard_attention_factor(cfg: ModelConfig, seq_len: int, context: int) -> float:
+  """Attention FLOPs per query token of the last of `context` contiguous sequence shards,
+  over the mean of the whole sequence: the shard whose queries see the most keys sets a
+  context-parallel step's time. Exact for causal and sliding-window layers alike (the keys
+  the last `T / C` queries see, `T * S(T) - (T - T/C) * S(T - T/C)` with `S` the mean visible
+  keys, over `T/C * S(T)`): about `(2C - 1) / C` for full attention, about 1 for a window
+  much shorter than a shard. 1 for `context` 1."""
+  if context == 1:
+    return 1.0
+  def keys(n: int) -> float:  # attention FLOPs of all n queries of an n-token sequence
+    per_token = non_gemm_flops_per_token(cfg, n)
+    return n * (per_token["attn.scores"] + per_token["attn.values"])
+  shard = seq_len // context
+  return (keys(seq_len) - keys(seq_len - shard)) / shard / (keys(seq_len) / seq_len)
+
+
 def collective_seconds(profile: AcceleratorProfile, payload: float, group: int, stride: int) -> float:
   """Seconds of an all-gather (or reduce-scatter) whose gathered result is `payload` bytes, over
   `group` devices spaced `stride` apart in the device order (nodes of `devices_per_node`).
@@ -180,9 +196,10 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
   batch_shards = num_devices // cp
   if batch_size % batch_shards:
     raise ValueError(f"batch_size={batch_size} is not divisible by the {batch_shards} batch shards "
-                     "(data x fsdp x expert)")
+                     f"(data x fsdp x expert); use a multiple of {batch_shards}")
   if seq_len % cp:
-    raise ValueError(f"seq_len={seq_len} is not divisible by mesh context={cp}")
+    raise ValueError(f"seq_len={seq_len} is not divisible by mesh context={cp}; use a multiple "
+                     f"of {cp} or another context size")
   c = DTYPE_BYTES[dtype]
   peak = profile.peak_flops(dtype)
   seqs = batch_size // batch_shards  # sequences (or sequence shards) per device
@@ -213,7 +230,7 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
   for g in model_gemms(cfg, tokens, ep):
     gemms.append((g, _gemm_train_seconds(g, dtype, timer)))
   other = _other_seconds(cfg, profile, dtype, tokens, seq_len, passes=3)
-  other["attention"] *= (2 * cp - 1) / cp  # the last context shard's queries see the most keys
+  other["attention"] *= last_shard_attention_factor(cfg, seq_len, cp)
   compute = sum(s for _, s in gemms) + sum(other.values())
 
   # Communication per device per step (ring algorithms: (n-1)/n of the payload). Mesh axes
