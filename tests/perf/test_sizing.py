@@ -212,8 +212,8 @@ def test_estimate_roofline_and_memory():
 
 def test_estimate_with_context_parallelism():
   """`mesh.context` C: twice the devices at C = 2 hold half the tokens each; the gathered K/V
-  and the context collectives are the hand-computed ones; the attention of the last shard
-  sees (2C - 1)/C of the mean keys."""
+  and the context collectives are the hand-computed ones; the attention time is the last
+  shard's (about (2C - 1)/C of the mean for full attention, about 1 for a short window)."""
   cfg, prof = ModelConfig(), get_profile("mi300x")
   t, b = 32768, 8
   one = roofline.estimate(cfg, prof, num_devices=8, batch_size=b, seq_len=t, mesh=MeshConfig(1, 8, 1))

@@ -173,8 +173,8 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
       `context` C > 1 (context parallelism, zaya_jax/parallel/context.py) each sequence is
       split into C contiguous shards: a device holds `batch_size / (devices / C)` sequences
       of `seq_len / C` tokens, keeps the all-gathered compressed K/V of its sequences per
-      layer, and its step is the last shard's, whose causal attention sees
-      `(2C - 1) / C` of the mean keys (contiguous, not zigzag, shards).
+      layer, and its step is the last shard's, whose queries see the most keys
+      (`last_shard_attention_factor`; contiguous, not zigzag, shards).
     decode_batch: sequences decoded together (decode/prefill run on one device).
     gemm_seconds: measured time of one run of a GEMM (`count` is 1 in the Gemm passed) in
       `dtype`; default the roofline `max(compute, memory)`.
