@@ -144,7 +144,7 @@ def get_config() -> ml_collections.ConfigDict:
   mesh.data = 1  # pure data-parallel replicas
   mesh.fsdp = -1  # FSDP shards (params sharded on hidden dim); -1 = all remaining devices
   mesh.expert = 1  # expert-parallel shards; must divide model.num_experts
-  mesh.context = 1  # context-parallel shards: every sequence split into this many contiguous pieces of train.seq_len / context tokens (CCA: halo ppermute + K/V all-gather); must divide train.seq_len
+  mesh.context = 1  # context-parallel shards: every sequence split over this many devices in zigzag order (2 x context chunks of train.seq_len / (2 x context) tokens; device r holds chunks r and 2C-1-r; CCA: halo ppermutes + K/V all-gather); 2 x context must divide train.seq_len
 
   # --- balance: zaya_jax.config.BalanceConfig, the router balancing biases ------------------
   # Aux-loss-free balancing (zaya_jax/train/balance.py): the router picks argmax(softmax + b);

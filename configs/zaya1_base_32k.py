@@ -5,7 +5,8 @@ ZAYA1's recipe (ZAYA1-8B report, Table II and §III): after the 4K pretraining a
 ranks. This config is `zaya1_base.py` with
   train.seq_len 4096 -> 32768 (train.batch_size 256 -> 32: the same 1M tokens per step),
   model.rope_theta -> 1e6 (full-attention layers; sliding layers keep theirs),
-  mesh.context = 2 (each 32K sequence split into two 16K shards, zaya_jax/parallel/context.py),
+  mesh.context = 2 (each 32K sequence split over two devices, 16K tokens each as two 8K
+    zigzag chunks, zaya_jax/parallel/context.py),
   model.remat = True (activation memory of a 16K shard per device).
 Parameters do not depend on the RoPE bases or the sequence length, so a 4K checkpoint
 continues here in one of two ways:
@@ -29,5 +30,5 @@ def get_config():
   config.train.batch_size = 32  # sequences per step: 32 x 32K = 1M tokens, as 256 x 4K
   config.model.rope_theta = 1_000_000.0  # RoPE base of "hybrid" layers at 32K (ZAYA1: 1M)
   config.model.remat = True  # rematerialise layers: a 16K-token shard's activations per device
-  config.mesh.context = 2  # two context shards of 16K tokens each (ZAYA1: 2 ranks at 32K)
+  config.mesh.context = 2  # two context shards of 16K tokens each, zigzag (ZAYA1: 2 ranks at 32K)
   return config

@@ -1,5 +1,6 @@
 # Shape letters: B T V L X (see zaya_jax/__init__.py).
-"""Context parallelism: the model with its sequences split over `mesh.context` equals one device.
+"""Context parallelism: the model with its sequences split over `mesh.context` (zigzag order)
+equals one device.
 
 Multi-device tests are `multidevice` (8 fake CPU devices, the second pytest run); the config
 and mesh validation that needs no devices runs in both.
@@ -8,14 +9,16 @@ Covered (float32, tiny model: D 32, 2 layers, one of them `hybrid_sliding` with 
 4 experts, scan on, CCA kernel widths 2 / 2: a halo of 2 conv rows and 1 value row):
 - logits, the training loss (masked next-token cross-entropy through the fused LM head, as
   `zaya_jax.train.step` computes it), the routing counts and every `nnx.Param` gradient on
-  meshes (data, fsdp, expert, context) = (1,1,1,4) on 4 devices, (1,1,1,8) on 8 (t = 2 tokens
-  per shard: the halo is a whole shard, the window spans three shards) and (2,1,2,2) (context
-  2 with data and expert parallelism; context 2 alone is tests/train/test_causality.py's mesh)
-  against one device, relative error <= 1e-5 (of each leaf's max |value|),
-  on a packed batch whose documents start exactly on, just before and just after shard
-  boundaries, with padding;
-- the halo respects documents: a document starting exactly at a shard boundary gets the same
-  logits whatever the previous shard holds (another document, or padding = the document
+  meshes (data, fsdp, expert, context) = (1,1,1,4) on 4 devices, (1,1,1,8) on 8 (T = 32: 16
+  chunks of 2 tokens, so the halo is a whole chunk and the window spans three chunks) and
+  (2,1,2,2) (context 2 with data and expert parallelism; context 2 alone is
+  tests/train/test_causality.py's mesh) against one device, relative error <= 1e-5 (of each
+  leaf's max |value|), on a packed batch whose documents start exactly on, just before and
+  just after chunk boundaries of all three kinds (the previous chunk on the previous shard,
+  on the next shard, or on the same shard: positions 8, 20 and 16 at C = 4), with padding;
+- the halo respects documents: a document starting exactly at a chunk boundary whose
+  previous chunk is on another shard (8: the previous shard; 20: the next one) gets the same
+  logits whatever the previous chunk holds (another document, or padding = the document
   alone), bit for bit;
 - `check_context` / `resolve` / `check_divisibility` errors name the field and the fix.
 
@@ -37,23 +40,25 @@ from tests.helpers import random_model
 from zaya_jax.config.mesh import MeshConfig, check_context
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.ops.cross_entropy import linear_cross_entropy
+from zaya_jax.parallel.context import context_size, from_context_order, in_context_order
 from zaya_jax.parallel.mesh import batch_sharding, check_divisibility, make_mesh, state_shardings
 
 RTOL = 1e-5
-B, T = 4, 16
+B, T = 4, 32
 CFG = ModelConfig(vocab_size=320, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, num_experts=4, moe_intermediate_size=32, router_hidden_size=16,
                   layer_types=("hybrid", "hybrid_sliding"), sliding_window=5, dtype="float32")
 MESHES = ((1, 1, 1, 4), (1, 1, 1, 8), (2, 1, 2, 2))  # (data, fsdp, expert, context)
 # Document starts per row (each row's segments 1, 2, ...; -1 = padding from there on).
-# Shard boundaries: 8 (C=2); 4, 8, 12 (C=4); every 2 (C=8).
-ROW_STARTS = ((8,), (7, 13), (9,), (4, 10, -13))
+# Zigzag chunks (shard r holds chunks r and 2C - 1 - r): every 8 tokens at C = 2, 4 at C = 4,
+# 2 at C = 8. At C = 4 the chunk before 8 is on the previous shard, the one before 20 on the
+# next shard and the one before 16 on the same (middle) shard.
+ROW_STARTS = ((8, 20), (7, 15, 25), (9, 16), (4, 10, 21, -29))
 
 
 def make_batch(seed: int = 0) -> dict[str, np.ndarray]:
-  """`[B, T]` packed batch: row 0 a document starting exactly at 8, row 1 at 7 (just before)
-  and 13, row 2 at 9 (just after), row 3 at 4 and 10 and padding from 13; the last token of
-  each document predicts nothing."""
+  """`[B, T]` packed batch with the documents of `ROW_STARTS` (row 3 padding from 29); the
+  last token of each document predicts nothing."""
   g = np.random.default_rng(seed)
   inputs = g.integers(3, CFG.vocab_size, (B, T)).astype(np.int32)
   segment_ids = np.ones((B, T), np.int32)
@@ -77,13 +82,16 @@ def make_batch(seed: int = 0) -> dict[str, np.ndarray]:
 
 def loss_and_grads(graphdef):
   """Jitted `(params, model_state, batch) -> ((loss, (logits_BTV, counts_LX)), grads)`: the
-  training loss (`backbone` -> `head_inputs` -> `linear_cross_entropy`) and the logits."""
+  training loss (`backbone` -> `head_inputs` -> `linear_cross_entropy`, targets and mask in
+  the model's sequence order, as zaya_jax/train/step.py) and the logits in natural order."""
   def loss_fn(params, model_state, batch):
     model = nnx.merge(graphdef, params, model_state, copy=True)
     x_BTD, aux = model.backbone(batch["inputs"], batch["segment_ids"], batch["positions"])
-    loss_sum, tokens = linear_cross_entropy(*model.head_inputs(x_BTD), batch["targets"],
-                                            batch["loss_mask"])
-    return loss_sum / jnp.maximum(tokens, 1.0), (model.lm_head(x_BTD), aux["expert_counts"])
+    loss_sum, tokens = linear_cross_entropy(*model.head_inputs(x_BTD),
+                                            in_context_order(batch["targets"]),
+                                            in_context_order(batch["loss_mask"]))
+    logits_BTV = from_context_order(model.lm_head(x_BTD), context_size())
+    return loss_sum / jnp.maximum(tokens, 1.0), (logits_BTV, aux["expert_counts"])
   return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
 
 
@@ -148,36 +156,43 @@ def test_context_parallel_matches_one_device(cp, shape):
 
 
 @pytest.mark.multidevice
-def test_document_at_a_shard_boundary_ignores_the_previous_shard(cp):
-  """Row 0's second document starts at 8, a shard boundary of (1,1,1,4): its logits do not
-  change when the first document's tokens change, nor when they become padding (the
-  document alone), bit for bit; they equal the one-device logits."""
+@pytest.mark.parametrize("start,end", [(8, 20), (20, 32)], ids=["from_previous", "from_next"])
+def test_document_at_a_shard_boundary_ignores_the_previous_shard(cp, start, end):
+  """Row 0's documents start at 8 and 20, chunk boundaries of (1,1,1,4) whose previous chunk
+  is on the previous shard (8) and on the next shard (20): the logits of the document
+  `[start, end)` do not change when the document before it changes, nor when it becomes
+  padding (the document alone), bit for bit; they equal the one-device logits."""
   mesh = mesh_of((1, 1, 1, 4))
   batch = cp["batch"]
+  before = start - 8 if start == 8 else 8
   other = {k: v.copy() for k, v in batch.items()}
-  other["inputs"][0, :8] = np.random.default_rng(7).integers(3, CFG.vocab_size, 8)
+  other["inputs"][0, before:start] = np.random.default_rng(7).integers(3, CFG.vocab_size,
+                                                                       start - before)
   alone = {k: v.copy() for k, v in batch.items()}
-  alone["segment_ids"][0, :8] = 0
-  alone["loss_mask"][0, :8] = 0.0
-  logits = [run(cp["fn"], cp["params"], cp["state"], b, mesh)[1][0, 8:]
+  alone["segment_ids"][0, before:start] = 0
+  alone["loss_mask"][0, before:start] = 0.0
+  logits = [run(cp["fn"], cp["params"], cp["state"], b, mesh)[1][0, start:end]
             for b in (batch, other, alone)]
   np.testing.assert_array_equal(logits[1], logits[0])
   np.testing.assert_array_equal(logits[2], logits[0])
-  assert rel_err(logits[0], cp["ref"][1][0, 8:]) <= RTOL
-  # ... and the previous shard does reach a document that spans the boundary (row 2).
+  assert rel_err(logits[0], cp["ref"][1][0, start:end]) <= RTOL
+  # ... and the previous chunk does reach a document that spans the boundary (row 2 at 8,
+  # row 1 at 20).
+  row = 2 if start == 8 else 1
   spans = {k: v.copy() for k, v in batch.items()}
-  spans["inputs"][2, 6:8] = (spans["inputs"][2, 6:8] + 1) % CFG.vocab_size
-  changed = run(cp["fn"], cp["params"], cp["state"], spans, mesh)[1][2, 8:9]
-  assert not np.array_equal(changed, run(cp["fn"], cp["params"], cp["state"], batch, mesh)[1][2, 8:9])
+  spans["inputs"][row, start - 2:start] = (spans["inputs"][row, start - 2:start] + 1) % CFG.vocab_size
+  changed = run(cp["fn"], cp["params"], cp["state"], spans, mesh)[1][row, start:start + 1]
+  assert not np.array_equal(
+      changed, run(cp["fn"], cp["params"], cp["state"], batch, mesh)[1][row, start:start + 1])
 
 
 def test_check_context_names_the_field_and_fix():
   check_context(4, 16, 2, "xla")
   check_context(1, 15, 2, "pallas")  # nothing to check without context parallelism
-  with pytest.raises(ValueError, match=r"train\.seq_len=18 is not divisible by mesh\.context=4"):
-    check_context(4, 18, 2, "xla")
-  with pytest.raises(ValueError, match=r"2 tokens per shard is shorter than CCA's halo of 3"):
-    check_context(8, 16, 3, "xla")
+  with pytest.raises(ValueError, match=r"train\.seq_len=20 is not divisible by 2 x mesh\.context = 8"):
+    check_context(4, 20, 2, "xla")
+  with pytest.raises(ValueError, match=r"= 2 tokens per chunk is shorter than CCA's halo of 3"):
+    check_context(4, 16, 3, "xla")
   with pytest.raises(ValueError, match=r"model\.attention_impl='pallas' does not run under"):
     check_context(2, 16, 2, "pallas")
   assert CFG.context_halo == (2, 1)
@@ -190,7 +205,7 @@ def test_resolve_checks_the_context_axis():
 
   config = zaya1_tiny.get_config()
   config.mesh.context = 3
-  with pytest.raises(ConfigError, match=r"train\.seq_len=\d+ is not divisible by mesh\.context=3"):
+  with pytest.raises(ConfigError, match=r"train\.seq_len=\d+ is not divisible by 2 x mesh\.context = 6"):
     resolve(config)
   config.mesh.context = 2
   assert resolve(config).mesh.context == 2

@@ -212,8 +212,9 @@ def test_estimate_roofline_and_memory():
 
 def test_estimate_with_context_parallelism():
   """`mesh.context` C: twice the devices at C = 2 hold half the tokens each; the gathered K/V
-  and the context collectives are the hand-computed ones; the attention time is the last
-  shard's (about (2C - 1)/C of the mean for full attention, about 1 for a short window)."""
+  and the context collectives are the hand-computed ones; the attention time is the busiest
+  zigzag shard's (exactly the mean for full attention, the window over the mean visible keys
+  for a short window)."""
   cfg, prof = ModelConfig(), get_profile("mi300x")
   t, b = 32768, 8
   one = roofline.estimate(cfg, prof, num_devices=8, batch_size=b, seq_len=t, mesh=MeshConfig(1, 8, 1))
@@ -233,23 +234,26 @@ def test_estimate_with_context_parallelism():
   halo_rows = (cfg.cca_time0 + cfg.cca_time1 - 2) * (cfg.num_heads + cfg.num_kv_heads) + cfg.num_kv_heads // 2
   assert two.comm_seconds["context_halo"] == pytest.approx(
       cfg.num_layers * 2 * halo_rows * cfg.head_dim * 2 / prof.scale_up_bandwidth)
-  # Full causal attention: the last T/2 queries see T/2 + 1 .. T keys, (3T/2 + 1)/2 on average,
-  # against (T + 1)/2 over the whole sequence (~1.5x); per device, half the queries.
-  last_shard = (3 * t / 2 + 1) / (t + 1)
-  assert two.other_seconds["attention"] == pytest.approx(one.other_seconds["attention"] / 2 * last_shard)
-  # A sliding window much shorter than a shard: the last shard's queries each see the window,
-  # the whole sequence's a little less on average (its first w queries see fewer keys).
+  # Full causal attention in zigzag order: shard 0 holds quarters 0 and 3 of the sequence,
+  # shard 1 quarters 1 and 2; each sees the same keys, half of the whole sequence's: per
+  # device, half the attention (contiguous shards would give the last one ~1.5x the mean).
+  for context in (2, 4, 8):
+    assert roofline.busiest_shard_attention_factor(cfg, t, context) == pytest.approx(1.0)
+  assert two.other_seconds["attention"] == pytest.approx(one.other_seconds["attention"] / 2)
+  # A sliding window much shorter than a chunk: every query past the first w sees the window,
+  # the whole sequence's a little less on average (its first w queries see fewer keys); the
+  # busiest shard is every shard but shard 0 (which holds the sequence start).
   w = 4096
   sliding = dataclasses.replace(cfg, layer_types=("hybrid_sliding",) * cfg.num_layers,
                                 sliding_window=w)
   mean_keys = (w * (w + 1) / 2 + (t - w) * w) / t
   for context in (2, 4, 8):
-    assert roofline.last_shard_attention_factor(sliding, t, context) == pytest.approx(w / mean_keys)
+    assert roofline.busiest_shard_attention_factor(sliding, t, context) == pytest.approx(w / mean_keys)
   # The same 3-axis mesh written with context 1 gives the same figures.
   again = roofline.estimate(cfg, prof, num_devices=8, batch_size=b, seq_len=t,
                             mesh=MeshConfig(1, 8, 1, 1))
   assert again.step_seconds == one.step_seconds and again.memory == one.memory
-  with pytest.raises(ValueError, match="seq_len=32769 is not divisible by mesh context=2; use a multiple"):
+  with pytest.raises(ValueError, match=r"seq_len=32769 is not divisible by 2 x mesh context = 4 \(zigzag chunks\); use a multiple"):
     roofline.estimate(cfg, prof, num_devices=16, batch_size=b, seq_len=t + 1, mesh=MeshConfig(1, 8, 1, 2))
   with pytest.raises(ValueError, match="batch_size=4 is not divisible by the 8 batch shards .*use a multiple of 8"):
     roofline.estimate(cfg, prof, num_devices=16, batch_size=4, seq_len=t, mesh=MeshConfig(1, 8, 1, 2))

@@ -2,8 +2,8 @@
 sizes.
 
 Three CLI runs of the tiny model (T 32, B 8, the raw stdlib corpus, `MULTIPROCESS_OVERRIDES`):
-one device for 4 steps (the reference); 8 fake CPU devices with `mesh.context=8` (4 tokens per
-shard, the CCA halo 2) for 2 steps, then the same workdir resumed on `mesh.data=2,
+one device for 4 steps (the reference); 8 fake CPU devices with `mesh.context=8` (16 zigzag
+chunks of 2 tokens, the CCA halo 2) for 2 steps, then the same workdir resumed on `mesh.data=2,
 mesh.context=4` for steps 3-4. Every step's loss equals the reference's (rtol 1e-4: float
 summation order over 4 updates) and the routing counts reduce over `context` as over `data`
 (the same `expert_load` per step). Slow: three subprocesses, 5m43s on 2 shared cores

@@ -22,7 +22,8 @@ TOKEN_AXES = (DATA, FSDP, EXPERT, CONTEXT)
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Mesh shape: devices along `data`, `fsdp`, `expert`, `context`. One of them may be -1
-  (inferred). `context` splits every sequence into that many contiguous shards (default 1).
+  (inferred). `context` splits every sequence over that many devices (default 1), in zigzag
+  order: 2 x context chunks, device r holds chunks r and 2C - 1 - r (parallel/context.py).
 
   Raises:
     ValueError: more than one -1, a size < 1, or a product that does not divide the device
@@ -76,27 +77,31 @@ def parse_meshes(text: str) -> list[MeshConfig]:
 
 
 def check_context(context: int, seq_len: int, halo: int, attention_impl: str) -> None:
-  """Fails if `seq_len` cannot be split into `context` shards that CCA can run on
-  (context parallelism, zaya_jax/parallel/context.py). `context == -1` (inferred from the
-  device count) is checked once the mesh is built.
+  """Fails if `seq_len` cannot be split into the 2 x `context` zigzag chunks that CCA runs
+  on (context parallelism, zaya_jax/parallel/context.py: shard r holds chunks r and
+  2C - 1 - r). `context == -1` (inferred from the device count) is checked once the mesh is
+  built. No padding is added.
 
   Args:
-    context: `mesh.context`; seq_len: `train.seq_len`; halo: tokens of the previous shard
+    context: `mesh.context`; seq_len: `train.seq_len`; halo: tokens before a chunk that
       CCA reads (`max(ModelConfig.context_halo)`); attention_impl: `model.attention_impl`.
   Raises:
     ValueError: one line naming the field and the fix: `train.seq_len` not divisible by
-      `mesh.context`, a shard shorter than CCA's halo, or `model.attention_impl="pallas"`
-      (the kernel has no query block offset yet).
+      2 x `mesh.context`, a chunk shorter than CCA's halo, or `model.attention_impl="pallas"`
+      (the kernel has no zigzag query blocks yet).
   """
   if context in (1, -1):
     return
-  if seq_len % context:
-    raise ValueError(f"train.seq_len={seq_len} is not divisible by mesh.context={context}; "
-                     f"use a sequence length that is a multiple of {context}")
-  if seq_len // context < halo:
-    raise ValueError(f"train.seq_len={seq_len} / mesh.context={context} = {seq_len // context} "
-                     f"tokens per shard is shorter than CCA's halo of {halo} tokens "
-                     "(model.cca_time0 + model.cca_time1 - 2); use fewer context shards")
+  if seq_len % (2 * context):
+    raise ValueError(f"train.seq_len={seq_len} is not divisible by 2 x mesh.context = "
+                     f"{2 * context} (context parallelism cuts a sequence into 2 x context "
+                     f"zigzag chunks); use a sequence length that is a multiple of "
+                     f"{2 * context}")
+  if seq_len // (2 * context) < halo:
+    raise ValueError(f"train.seq_len={seq_len} / (2 x mesh.context={context}) = "
+                     f"{seq_len // (2 * context)} tokens per chunk is shorter than CCA's halo "
+                     f"of {halo} tokens (model.cca_time0 + model.cca_time1 - 2); use fewer "
+                     "context shards")
   if attention_impl == "pallas":
     raise ValueError("model.attention_impl='pallas' does not run under mesh.context > 1 yet "
-                     "(the kernel has no query block offset); set model.attention_impl='xla'")
+                     "(the kernel has no zigzag query blocks); set model.attention_impl='xla'")

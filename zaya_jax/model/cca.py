@@ -28,8 +28,9 @@ from zaya_jax.config.model import ModelConfig
 from zaya_jax.model.attention import shift_right, shifted_same_document
 from zaya_jax.model.layers import compute_dtype, normal, param, zeros
 from zaya_jax.model.rope import apply_rope
-from zaya_jax.ops.attention import attention, dot_product_attention, offset_attention_mask
-from zaya_jax.parallel.context import context_size, gather_sequence, previous_rows, shard_offset
+from zaya_jax.ops.attention import attention, dot_product_attention
+from zaya_jax.ops.zigzag_attention import zigzag_block_attention
+from zaya_jax.parallel.context import context_size, gather_sequence, previous_rows
 
 
 class CCA(nnx.Module):
@@ -88,12 +89,12 @@ class CCA(nnx.Module):
   def qkv(self, a_BTD: jax.Array, segment_ids_BT: jax.Array, halo=None):
     """CCA projection: returns q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, H]` (before QK-norm).
 
-    `halo`: None for a whole sequence; under context parallelism
-    `zaya_jax.parallel.context.previous_rows`, which returns the last n rows of the previous
-    sequence shard. The convolutions then run over `[W0 + W1 - 2 rows of the previous shard's
-    q0/k0, this shard]` and the delayed value reads the previous shard's last row; the
-    previous shard's segment ids come along, so a token of another document (or the zeros
-    shard 0 receives, segment 0) contributes nothing, exactly as inside one shard.
+    `halo`: None for whole sequences; under context parallelism
+    `zaya_jax.parallel.context.previous_rows`, which returns the n tokens before each row
+    (the rows are then sequence chunks). The convolutions run over `[the W0 + W1 - 2 q0/k0
+    rows before the chunk, the chunk]` and the delayed value reads the row before it; their
+    segment ids come along, so a token of another document (or the zeros the first chunk
+    receives, segment 0) contributes nothing, exactly as inside one sequence.
     """
     cfg = self.cfg
     dtype = compute_dtype(cfg.dtype)
@@ -175,35 +176,40 @@ class CCA(nnx.Module):
   # --- Context parallelism (zaya_jax/parallel/context.py) ------------------------------------
   def context_parallel(self, a_BTD: jax.Array, segment_ids_BT: jax.Array, cos_BTP: jax.Array,
                        sin_BTP: jax.Array, sliding: jax.Array | bool = False) -> jax.Array:
-    """`__call__` with T split over the `context` mesh axis: one `jax.shard_map` over the mesh,
-    activations `P(BATCH_AXES, CONTEXT)`, this block's parameters replicated into it (an FSDP
-    shard is gathered at the boundary, its gradient reduce-scattered back).
+    """`__call__` with T split over the `context` mesh axis in zigzag order: one
+    `jax.shard_map` over the mesh, activations `P(BATCH_AXES, CONTEXT)` (the model's sequence
+    order is `zaya_jax.parallel.context.to_context_order`), this block's parameters
+    replicated into it (an FSDP shard is gathered at the boundary, its gradient
+    reduce-scattered back).
 
-    Per shard (t = T / C tokens at global positions `[r t, (r + 1) t)`): the projections, the
-    convolutions with the previous shard's halo (`qkv(halo=previous_rows)`), QK-norm, RoPE
-    (tables of the global positions), then the local queries against the keys/values and
-    segment ids all-gathered over `context`, masked causally and by document at global
-    positions (`offset_attention_mask`), on the XLA path (`dot_product_attention`).
-    Equal to `__call__` on the whole sequence up to float summation order.
+    Per shard r (t = T / C tokens: chunks r and 2C - 1 - r of c = T / 2C tokens): the
+    projections and convolutions with each chunk's halo (`qkv` on the two chunks as rows,
+    `halo=previous_rows`), QK-norm, RoPE (tables of the natural positions), then the two
+    query chunks against the keys/values and segment ids all-gathered over `context`,
+    masked causally, by document and by the window at natural positions
+    (`zigzag_block_attention`: flash-style over the blocks of the causal triangle, the same
+    number on every shard).
+    Equal to `__call__` on the whole sequence (in natural order) up to float summation order.
     """
     graphdef, state = nnx.split(self)
     seq = lambda ndim: P(BATCH_AXES, CONTEXT, *(None,) * (ndim - 2))
     window = self.cfg.attention_window
     scale = self.cfg.head_dim ** -0.5
+    shards = context_size()
 
     def shard(state, a_BtD, seg_Bt, cos_BtP, sin_BtP, sliding):
       cca = nnx.merge(graphdef, state)
       dtype = compute_dtype(cca.cfg.dtype)
-      q, k, v = cca.qkv(a_BtD, seg_Bt, halo=previous_rows)
+      b, t = seg_Bt.shape
+      as_chunks = lambda x: x.reshape(2 * b, t // 2, *x.shape[2:])  # [B, t] -> [2B, c] rows
+      as_shard = lambda x: x.reshape(b, t, *x.shape[2:])
+      q, k, v = map(as_shard, cca.qkv(as_chunks(a_BtD), as_chunks(seg_Bt), halo=previous_rows))
       q, k = cca.qk_norm(q, k)
       q, k = apply_rope(q, cos_BtP, sin_BtP), apply_rope(k, cos_BtP, sin_BtP)
-      k_BSKH, v_BSKH, seg_BS = gather_sequence(k), gather_sequence(v), gather_sequence(seg_Bt)
-      offset = shard_offset(seg_Bt.shape[1])
-      mask_BtS = offset_attention_mask(seg_Bt, seg_BS, offset)
-      if window is not None:
-        mask_BtS = jnp.where(sliding, offset_attention_mask(seg_Bt, seg_BS, offset, window),
-                             mask_BtS)
-      o_BtNH = dot_product_attention(q, k_BSKH, v_BSKH, mask_BtS, scale=scale)
+      k_BTKH, v_BTKH, seg_BT = gather_sequence(k), gather_sequence(v), gather_sequence(seg_Bt)
+      o_BtNH = zigzag_block_attention(q, k_BTKH, v_BTKH, seg_Bt, seg_BT,
+                                      jax.lax.axis_index(CONTEXT), shards, scale,
+                                      window=window, sliding=sliding)
       return (jnp.einsum("BTNH,NHD->BTD", o_BtNH, cca.o_proj[...].astype(dtype))
               + cca._bias("o_bias", dtype))
 

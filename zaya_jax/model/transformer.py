@@ -27,7 +27,7 @@ from zaya_jax.model.layers import RMSNorm, ResidualScale, compute_dtype, normal,
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.rope import rope_cos_sin
 from zaya_jax.ops.attention import attention_mask
-from zaya_jax.parallel.context import context_size
+from zaya_jax.parallel.context import context_size, from_context_order, in_context_order
 
 
 class ZayaLayer(nnx.Module):
@@ -106,7 +106,8 @@ class ZayaForCausalLM(nnx.Module):
 
   def __call__(self, input_ids, segment_ids=None, positions=None, *, return_aux=False):
     x_BTD, aux = self.backbone(input_ids, segment_ids, positions)
-    logits_BTV = self.lm_head(x_BTD)
+    # Under context parallelism the activations are in zigzag order (see `backbone`).
+    logits_BTV = from_context_order(self.lm_head(x_BTD), context_size())
     return (logits_BTV, aux) if return_aux else logits_BTV
 
   # Step 1: embedding and input scaling; the residual stream is float32 from here on.
@@ -140,7 +141,12 @@ class ZayaForCausalLM(nnx.Module):
     or with `batch_balance` (a `zaya_jax.model.quantile.BatchBalance`, for training) those
     solved from this batch's router probabilities.
     The training loss takes it to `head_inputs` and a fused LM head + cross-entropy
-    (`zaya_jax.ops.cross_entropy.linear_cross_entropy`), never building the `[B, T, V]` logits."""
+    (`zaya_jax.ops.cross_entropy.linear_cross_entropy`), never building the `[B, T, V]` logits.
+
+    Under context parallelism (`mesh.context` = C > 1) the inputs, in natural order, are
+    reordered once to the zigzag order of `zaya_jax.parallel.context` (positions computed
+    before), and `x_BTD` and `router_probs` come back in that order: per-token targets and
+    masks must be put in it with `in_context_order` (sums over tokens do not see it)."""
     cfg = self.cfg
     input_ids_BT, segment_ids_BT, positions_BT = input_ids, segment_ids, positions
     input_ids_BT = jnp.asarray(input_ids_BT, jnp.int32)
@@ -153,6 +159,8 @@ class ZayaForCausalLM(nnx.Module):
       raise ValueError(f"segment_ids shape {segment_ids_BT.shape} != input_ids shape {input_ids_BT.shape}")
     if positions_BT is None:
       positions_BT = document_positions(segment_ids_BT)
+    input_ids_BT, segment_ids_BT, positions_BT = (
+        in_context_order(x) for x in (input_ids_BT, segment_ids_BT, positions_BT))
 
     x_BTD = self.embed(input_ids_BT)
 

@@ -12,6 +12,10 @@ key only inside its own document, causally, and (on `hybrid_sliding` layers) wit
   cache.
 - "pallas": `pallas_kernels.cca_attention.cca_flash_attention`, masking from the segment ids
   (no `[B, T, S]` mask is built), run per batch shard under a mesh.
+
+Under context parallelism (zaya_jax/parallel/context.py) CCA calls
+`zaya_jax.ops.zigzag_attention.zigzag_block_attention` instead: one shard's two query chunks
+against the gathered keys, flash-style on the causal block triangle.
 """
 
 from __future__ import annotations
@@ -33,28 +37,6 @@ def attention_mask(segment_ids_BT: jax.Array, window: int | None = None) -> jax.
   if window is not None:
     allowed &= kv > q - window
   same_doc = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-  return allowed[None] & same_doc
-
-
-def offset_attention_mask(q_segment_ids_BT: jax.Array, kv_segment_ids_BS: jax.Array,
-                          q_offset: jax.Array | int, window: int | None = None) -> jax.Array:
-  """`attention_mask` of a block of T queries at global positions `q_offset + [0, T)` against
-  all S keys at positions `[0, S)`: bool `[B, T, S]`, causal, same document, and
-  `q - kv < window` when a window is given. With `q_offset = 0` and S = T it equals
-  `attention_mask`. (Context parallelism: a shard's queries against the gathered keys.)
-
-  Args:
-    q_segment_ids_BT: int32 document ids of the queries (0 = padding).
-    kv_segment_ids_BS: int32 document ids of the keys.
-    q_offset: int32 [] (may be traced) global position of the first query.
-    window: sliding window in tokens, or None.
-  """
-  q = q_offset + jnp.arange(q_segment_ids_BT.shape[1], dtype=jnp.int32)[:, None]
-  kv = jnp.arange(kv_segment_ids_BS.shape[1], dtype=jnp.int32)[None, :]
-  allowed = kv <= q
-  if window is not None:
-    allowed &= kv > q - window
-  same_doc = q_segment_ids_BT[:, :, None] == kv_segment_ids_BS[:, None, :]
   return allowed[None] & same_doc
 
 

@@ -31,6 +31,7 @@ from zaya_jax.checkpoint import restore_model_state
 from zaya_jax.config import RunConfig
 from zaya_jax.data import make_train_iterator
 from zaya_jax.model.quantile import quantile_biases, route_counts
+from zaya_jax.parallel.context import in_context_order
 from zaya_jax.parallel.mesh import abstract_with_shardings, make_mesh, use_mesh
 from zaya_jax.train.balance import get_biases, init_balance_state, load_stats, quantile_step
 from zaya_jax.train.setup import setup_training
@@ -70,7 +71,7 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
     def probs_of(params, rest, batch):
       model = nnx.merge(built.graphdef, params, rest, copy=True)
       _, aux = model.backbone(batch["inputs"], batch["segment_ids"], batch["positions"])
-      return aux["router_probs"], batch["segment_ids"].reshape(-1) > 0
+      return aux["router_probs"], in_context_order(batch["segment_ids"]).reshape(-1) > 0
 
     exact = jax.jit(quantile_biases, static_argnums=(3, 4))
     # The config's quantile update (EMA step and integral), as the training step applies it.

@@ -122,20 +122,27 @@ def _other_seconds(cfg: ModelConfig, profile: AcceleratorProfile, dtype: str, to
                                             cfg.num_layers * conv_bytes / profile.hbm_bandwidth)}
 
 
-def last_shard_attention_factor(cfg: ModelConfig, seq_len: int, context: int) -> float:
-  """Attention FLOPs per query token of the last of `context` contiguous sequence shards,
-  over the mean of the whole sequence: the shard whose queries see the most keys sets a
-  context-parallel step's time. Exact for causal and sliding-window layers alike (the keys
-  the last `T / C` queries see, `T * S(T) - (T - T/C) * S(T - T/C)` with `S` the mean visible
-  keys, over `T/C * S(T)`): about `(2C - 1) / C` for full attention, about 1 for a window
-  much shorter than a shard. 1 for `context` 1."""
+def busiest_shard_attention_factor(cfg: ModelConfig, seq_len: int, context: int) -> float:
+  """Attention FLOPs per query token of the busiest of `context` sequence shards in zigzag
+  order (zaya_jax/parallel/context.py: shard r holds chunks r and 2C - 1 - r of T / 2C
+  tokens), over the mean of the whole sequence: that shard sets a context-parallel step's
+  time. Exact for causal and sliding-window layers alike, from `K(n)`, the visible keys of the
+  first n queries (`n * S(n)`, `S` the mean visible keys of an n-token sequence): shard r
+  sees `K((r+1)c) - K(rc) + K((2C-r)c) - K((2C-1-r)c)`. 1 for full attention at any C (the
+  zigzag's point; contiguous shards would give about `(2C - 1) / C`), and 1 for `context` 1.
+  Useful FLOPs only: the blocked kernel also computes the masked half of each diagonal block."""
   if context == 1:
     return 1.0
-  def keys(n: int) -> float:  # attention FLOPs of all n queries of an n-token sequence
+  def keys(n: int) -> float:  # attention FLOPs of the first n queries of a sequence
+    if n == 0:
+      return 0.0
     per_token = non_gemm_flops_per_token(cfg, n)
     return n * (per_token["attn.scores"] + per_token["attn.values"])
-  shard = seq_len // context
-  return (keys(seq_len) - keys(seq_len - shard)) / shard / (keys(seq_len) / seq_len)
+  chunk = seq_len // (2 * context)
+  work = lambda a, b: keys(b * chunk) - keys(a * chunk)
+  busiest = max(work(r, r + 1) + work(2 * context - 1 - r, 2 * context - r)
+                for r in range(context))
+  return busiest / (keys(seq_len) / context)
 
 
 def collective_seconds(profile: AcceleratorProfile, payload: float, group: int, stride: int) -> float:
@@ -171,10 +178,10 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
     remat: "none" | "full" (each layer recomputed in the backward pass).
     mesh: axis sizes `data, fsdp, expert, context` (default: FSDP over all devices). With
       `context` C > 1 (context parallelism, zaya_jax/parallel/context.py) each sequence is
-      split into C contiguous shards: a device holds `batch_size / (devices / C)` sequences
-      of `seq_len / C` tokens, keeps the all-gathered compressed K/V of its sequences per
-      layer, and its step is the last shard's, whose queries see the most keys
-      (`last_shard_attention_factor`; contiguous, not zigzag, shards).
+      split over C devices in zigzag order: a device holds `batch_size / (devices / C)`
+      sequences of `seq_len / C` tokens, keeps the all-gathered compressed K/V of its
+      sequences per layer, and its step is the busiest shard's
+      (`busiest_shard_attention_factor`: about 1 with the zigzag order).
     decode_batch: sequences decoded together (decode/prefill run on one device).
     gemm_seconds: measured time of one run of a GEMM (`count` is 1 in the Gemm passed) in
       `dtype`; default the roofline `max(compute, memory)`.
@@ -183,7 +190,7 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
   Raises:
     ValueError: naming the argument, for an unknown dtype / remat, a mesh that does not fit
       `num_devices`, experts not divisible by the expert axis, a batch not divisible by
-      the batch shards (data x fsdp x expert) or a `seq_len` not divisible by `context`.
+      the batch shards (data x fsdp x expert) or a `seq_len` not divisible by 2 x `context`.
   """
   if dtype not in DTYPE_BYTES:
     raise ValueError(f"dtype={dtype!r}; must be one of {tuple(DTYPE_BYTES)}")
@@ -197,9 +204,9 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
   if batch_size % batch_shards:
     raise ValueError(f"batch_size={batch_size} is not divisible by the {batch_shards} batch shards "
                      f"(data x fsdp x expert); use a multiple of {batch_shards}")
-  if seq_len % cp:
-    raise ValueError(f"seq_len={seq_len} is not divisible by mesh context={cp}; use a multiple "
-                     f"of {cp} or another context size")
+  if cp > 1 and seq_len % (2 * cp):
+    raise ValueError(f"seq_len={seq_len} is not divisible by 2 x mesh context = {2 * cp} "
+                     f"(zigzag chunks); use a multiple of {2 * cp} or another context size")
   c = DTYPE_BYTES[dtype]
   peak = profile.peak_flops(dtype)
   seqs = batch_size // batch_shards  # sequences (or sequence shards) per device
@@ -230,7 +237,7 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
   for g in model_gemms(cfg, tokens, ep):
     gemms.append((g, _gemm_train_seconds(g, dtype, timer)))
   other = _other_seconds(cfg, profile, dtype, tokens, seq_len, passes=3)
-  other["attention"] *= last_shard_attention_factor(cfg, seq_len, cp)
+  other["attention"] *= busiest_shard_attention_factor(cfg, seq_len, cp)
   compute = sum(s for _, s in gemms) + sum(other.values())
 
   # Communication per device per step (ring algorithms: (n-1)/n of the payload). Mesh axes
@@ -255,9 +262,10 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
     # Per CCA layer: the K/V all-gather of each forward pass and the reduce-scatter of dK/dV.
     comm["context_kv_all_gather"] = (cfg.num_layers * (forwards + 1)
                                      * collective_seconds(profile, kv_gathered, cp, 1))
-    # Per CCA layer and pass: the previous shard's last pre-convolution [q0, k0] rows and
-    # delayed value row (`ModelConfig.context_halo`), one point-to-point send to the next
-    # device (forward and backward).
+    # Per CCA layer and pass: the last pre-convolution [q0, k0] rows and delayed value row
+    # before each of a device's two zigzag chunks (`ModelConfig.context_halo`): one send to
+    # each neighbour, in opposite directions of the (full-duplex) links, so priced as one
+    # send's time (forward and backward).
     conv_rows, value_rows = cfg.context_halo
     halo = seqs * (conv_rows * (cfg.num_heads + cfg.num_kv_heads) + value_rows * cfg.num_kv_heads // 2)
     comm["context_halo"] = (cfg.num_layers * (forwards + 1) * halo * cfg.head_dim * c

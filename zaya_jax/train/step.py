@@ -21,6 +21,7 @@ from flax import nnx
 from zaya_jax.config import BalanceConfig
 from zaya_jax.model.quantile import BatchBalance
 from zaya_jax.ops.cross_entropy import linear_cross_entropy
+from zaya_jax.parallel.context import in_context_order
 from zaya_jax.train import balance as balance_lib
 from zaya_jax.train.optim import update_or_skip
 from zaya_jax.train.state import TrainState
@@ -70,8 +71,10 @@ def _forward(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, 
   model = nnx.merge(graphdef, params, model_state, copy=True)
   x_BTD, aux = model.backbone(batch["inputs"], batch["segment_ids"], batch["positions"],
                               batch_balance)
-  loss_sum, tokens = linear_cross_entropy(*model.head_inputs(x_BTD), batch["targets"],
-                                          batch["loss_mask"])
+  # Under context parallelism x_BTD is in the model's zigzag order: targets follow it.
+  loss_sum, tokens = linear_cross_entropy(*model.head_inputs(x_BTD),
+                                          in_context_order(batch["targets"]),
+                                          in_context_order(batch["loss_mask"]))
   return loss_sum, tokens, aux
 
 
@@ -140,7 +143,7 @@ def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceCon
     (objective, (loss_sum, aux, router)), grads = grad_fn(
         graphdef, params, model_state, batch, cfg, total, 1.0)
     if need_probs:
-      aux = {**aux, "valid": batch["segment_ids"].reshape(-1) > 0}
+      aux = {**aux, "valid": in_context_order(batch["segment_ids"]).reshape(-1) > 0}
     return (objective, loss_sum / total, tokens, aux, router), grads
 
   non_padding = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1).astype(jnp.float32)
@@ -172,7 +175,7 @@ def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceCon
   if need_probs:  # tokens in micro-batch order, matching the flattened micro-batch masks
     n, l, m, x = probs_nLMX.shape
     aux["router_probs"] = jnp.moveaxis(probs_nLMX, 0, 1).reshape(l, n * m, x)
-    aux["valid"] = micros["segment_ids"].reshape(-1) > 0
+    aux["valid"] = in_context_order(micros["segment_ids"], axis=2).reshape(-1) > 0
   return (parts["objective"], parts["loss_sum"] / total, tokens, aux, router), grads
 
 
