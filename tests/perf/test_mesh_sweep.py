@@ -8,6 +8,7 @@ marked `slow` (wall time grows with the host's load).
 """
 
 import csv
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import pytest
 
 from zaya_jax.perf import hlo, mesh_sweep
 from zaya_jax.config.mesh import parse_meshes
+from zaya_jax.config.model import ModelConfig
+from zaya_jax.parallel.context import CONTEXT_SCOPE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,6 +100,35 @@ def test_analytic_all_to_all_bytes():
   assert mesh_sweep.analytic_all_to_all_bytes(256, 128, 4, 1) == 0
 
 
+def test_analytic_context_bytes_by_hand():
+  """Tiny shapes (N 4, K 2, H 32, widths 2 / 2: halo 2 conv rows + 1 value row), 2 layers,
+  3 sequences of T 64 per device on C = 4, float32; and with remat (2 forwards)."""
+  cfg = ModelConfig(num_layers=2, layer_types=("hybrid",) * 2, num_heads=4, num_kv_heads=2,
+                    head_dim=32, cca_time0=2, cca_time1=2, hidden_size=64)
+  kv = 3 / 4 * 3 * 64 * 2 * 2 * 32 * 4  # (C-1)/C x seqs x T x (k, v) x K x H x bytes
+  send = 3 * 32 * (2 * (4 + 2) + 1 * 1) * 4  # seqs x H x (conv rows x (N + K) + value row x K/2)
+  seg = 3 / 4 * 3 * 64 * 4 + 2 * 3 * 2 * 4  # key segment ids gathered; halo segment ids
+  for remat, forwards in ((False, 1), (True, 2)):
+    got = mesh_sweep.analytic_context_bytes(dataclasses.replace(cfg, remat=remat), 3, 64, 4, 4)
+    assert got == pytest.approx({
+        "all-gather": 2 * forwards * kv + 3 / 4 * 3 * 64 * 4,
+        "reduce-scatter": 2 * kv,
+        "collective-permute": 2 * (forwards + 1) * 2 * send + 2 * 3 * 2 * 4})
+    assert sum(got.values()) == pytest.approx(2 * (forwards + 1) * kv + 2 * (forwards + 1) * 2 * send + seg)
+
+
+def test_context_and_moe_exchange_are_told_apart_by_scope():
+  """Ops in CCA's context shard_map (`CONTEXT_SCOPE` in op_name) count as the context exchange
+  only; other shard_map ops as the MoE's; FSDP's gathers (no shard_map) as neither."""
+  ops = [hlo.CollectiveOp("all-gather", "a", 100, 2, 4, f"jit(f)/while/body/{CONTEXT_SCOPE}/shard_map/all_gather"),
+         hlo.CollectiveOp("collective-permute", "b", 10, None, 8, f"jit(f)/{CONTEXT_SCOPE}/shard_map/ppermute"),
+         hlo.CollectiveOp("all-gather", "c", 300, 4, 2, "jit(f)/while/body/shard_map/all_gather"),
+         hlo.CollectiveOp("all-gather", "d", 1000, 8, 1, "jit(f)/while/body/dot_general")]
+  assert hlo.context_exchange_bytes(ops) == {"all-gather": 200.0, "reduce-scatter": 0.0,
+                                             "collective-permute": 80.0}
+  assert hlo.moe_exchange_bytes(ops) == 300 * 2 * 3 / 4
+
+
 def test_parse_meshes():
   assert [(m.data, m.fsdp, m.expert) for m in parse_meshes("1,1,8; 2,1,4")] == [
       (1, 1, 8), (2, 1, 4)]
@@ -144,6 +176,14 @@ def test_mesh_sweep_cli_on_8_fake_devices(tmp_path):
   assert (row_cp["context"], row_a2a["context"], row_ag["context"]) == ("2", "1", "1")
   assert float(row_cp["collective_permute_bytes"]) > 0 and float(row_cp["all_gather_bytes"]) > 0
   assert float(row_ag["collective_permute_bytes"]) == 0
+  # ... and the ops inside CCA's shard_map (its named scope) move exactly the analytic bytes
+  # of each kind; the MoE exchange of that row leaves them out (ratio as for 1,1,8 below).
+  for kind in mesh_sweep.CP_KINDS:
+    assert float(row_cp[f"cp_{kind}_bytes"]) > 0, kind
+    assert float(row_cp[f"cp_{kind}_bytes"]) == pytest.approx(
+        float(row_cp[f"cp_{kind}_analytic_bytes"]), rel=1e-9), kind
+  assert row_a2a["cp_exchange_bytes"] == ""
+  assert 1.0 <= float(row_cp["moe_exchange_bytes"]) / float(row_cp["a2a_analytic_bytes"]) <= 1.5
   # all_to_all with capacity 1.25 moves about 1.25x the analytic minimum; allgather n/2 x more.
   ratio = float(row_a2a["moe_exchange_bytes"]) / float(row_a2a["a2a_analytic_bytes"])
   assert 1.0 <= ratio <= 1.5, ratio

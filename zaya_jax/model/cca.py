@@ -30,7 +30,7 @@ from zaya_jax.model.layers import compute_dtype, normal, param, zeros
 from zaya_jax.model.rope import apply_rope
 from zaya_jax.ops.attention import attention, dot_product_attention
 from zaya_jax.ops.zigzag_attention import zigzag_block_attention
-from zaya_jax.parallel.context import context_size, gather_sequence, previous_rows
+from zaya_jax.parallel.context import CONTEXT_SCOPE, context_size, gather_sequence, previous_rows
 
 
 class CCA(nnx.Module):
@@ -213,9 +213,12 @@ class CCA(nnx.Module):
       return (jnp.einsum("BTNH,NHD->BTD", o_BtNH, cca.o_proj[...].astype(dtype))
               + cca._bias("o_bias", dtype))
 
-    return jax.shard_map(shard, in_specs=(P(), seq(3), seq(2), seq(3), seq(3), P()),
-                         out_specs=seq(3))(state, a_BTD, segment_ids_BT, cos_BTP, sin_BTP,
-                                           jnp.asarray(sliding))
+    # The scope names this block's collectives in the HLO metadata (CONTEXT_SCOPE), so the
+    # mesh sweep tells them from the MoE's, which run in a shard_map of their own.
+    with jax.named_scope(CONTEXT_SCOPE):
+      return jax.shard_map(shard, in_specs=(P(), seq(3), seq(2), seq(3), seq(3), P()),
+                           out_specs=seq(3))(state, a_BTD, segment_ids_BT, cos_BTP, sin_BTP,
+                                             jnp.asarray(sliding))
 
   # --- Incremental decoding (zaya_jax/generate.py) --------------------------------------------
   def extend(self, a_BTD: jax.Array, cache: dict, start: jax.Array, cos_BTP: jax.Array,

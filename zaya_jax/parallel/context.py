@@ -42,7 +42,11 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.config.mesh import BATCH_AXES, CONTEXT, check_context
 
-__all__ = ["check_context", "context_size", "from_context_order", "gather_sequence",
+# `jax.named_scope` of CCA's context-parallel shard_map: its collectives (K/V all-gather, dK/dV
+# reduce-scatter, halo permutes) carry it in their HLO `op_name` (zaya_jax.perf.hlo).
+CONTEXT_SCOPE = "cca_context"
+
+__all__ = ["CONTEXT_SCOPE", "check_context", "context_size", "from_context_order", "gather_sequence",
            "in_context_order", "previous_rows", "to_context_order", "token_order"]
 
 

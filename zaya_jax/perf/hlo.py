@@ -4,7 +4,8 @@
 `parse_hlo` splits a module into computations and instructions and counts how often each
 computation runs per step (the scanned layers are an HLO `while`); `collective_ops` lists
 every collective with the bytes each device hands it, `collective_bytes` sums them per kind,
-`moe_exchange_bytes` keeps the MoE token exchange (the ops inside the `shard_map`), and
+`moe_exchange_bytes` keeps the MoE token exchange (the ops inside its `shard_map`),
+`context_exchange_bytes` CCA's context-parallel exchange, and
 `dot_flops` counts the matmul FLOPs with every layer counted. Used by `zaya_jax.perf.mesh_sweep`
 on `Compiled.as_text()` (post-optimisation) or `Lowered.as_text(dialect="hlo")`.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+
+from zaya_jax.parallel.context import CONTEXT_SCOPE
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
                "ragged-all-to-all")
@@ -332,16 +335,36 @@ def moe_exchange_bytes(ops: list[CollectiveOp]) -> float:
   """Bytes leaving one device per step to move MoE tokens to their experts and back.
 
   Sums `off_shard_bytes` of the all-to-all, ragged-all-to-all, all-gather and reduce-scatter
-  ops whose metadata places them in a `shard_map` (the MoE block is the model's only
-  shard_map, so FSDP's parameter gathers are left out). Pre-optimisation HLO carries no
-  metadata; there every collective comes from the shard_map (SPMD partitioning has not yet
-  added its own), so all of these kinds count. All-reduces (expert-weight gradient sums)
-  never count.
+  ops whose metadata places them in a `shard_map` other than CCA's context-parallel one
+  (whose ops carry `zaya_jax.parallel.context.CONTEXT_SCOPE`, see `context_exchange_bytes`),
+  so FSDP's parameter gathers and the K/V all-gathers are left out. Pre-optimisation HLO
+  carries no metadata; there every collective comes from a shard_map (SPMD partitioning has
+  not yet added its own), so all of these kinds count. All-reduces (expert-weight gradient
+  sums) never count.
   """
   kinds = ("all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter")
   has_metadata = any(o.op_name for o in ops)
   return sum(o.off_shard_bytes for o in ops
-             if o.kind in kinds and (not has_metadata or "shard_map" in o.op_name))
+             if o.kind in kinds and (not has_metadata or (
+                 "shard_map" in o.op_name and CONTEXT_SCOPE not in o.op_name)))
+
+
+def context_exchange_bytes(ops: list[CollectiveOp]) -> dict[str, float]:
+  """Bytes leaving one device per step for CCA's context parallelism, by kind.
+
+  `off_shard_bytes` of the ops whose metadata carries `CONTEXT_SCOPE` (CCA's shard_map over
+  `context`, zaya_jax/model/cca.py): `all-gather` (K/V and key segment ids), `reduce-scatter`
+  (dK/dV) and `collective-permute` (the halo rows, both directions, forward and backward).
+  Post-optimisation HLO only (pre-optimisation text has no metadata: all zeros).
+
+  Returns:
+    `{"all-gather": bytes, "reduce-scatter": bytes, "collective-permute": bytes}`.
+  """
+  out = dict.fromkeys(("all-gather", "reduce-scatter", "collective-permute"), 0.0)
+  for o in ops:
+    if o.kind in out and CONTEXT_SCOPE in o.op_name:
+      out[o.kind] += o.off_shard_bytes
+  return out
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:

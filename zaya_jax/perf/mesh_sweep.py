@@ -38,7 +38,8 @@ from zaya_jax.parallel.dispatch import resolve_dispatch
 from zaya_jax.parallel.mesh import (CONTEXT, EXPERT, MeshConfig, abstract_with_shardings,
                                     check_divisibility, make_mesh, use_mesh)
 from zaya_jax.perf import report
-from zaya_jax.perf.hlo import COLLECTIVES, collective_ops, dot_flops, moe_exchange_bytes
+from zaya_jax.perf.hlo import (COLLECTIVES, collective_ops, context_exchange_bytes, dot_flops,
+                               moe_exchange_bytes)
 from zaya_jax.perf.synthetic import abstract_batch, synthetic_batch
 from zaya_jax.train.optim import make_optimizer
 from zaya_jax.train.setup import setup_training
@@ -98,6 +99,42 @@ def analytic_all_to_all_bytes(tokens_per_shard: int, d_model: int, bytes_per_ele
   """
   n = expert_axis_size
   return tokens_per_shard * d_model * bytes_per_elem * 2 * (n - 1) / n
+
+
+def analytic_context_bytes(cfg: ModelConfig, seqs: int, seq_len: int, context: int,
+                           bytes_per_elem: int) -> dict[str, float]:
+  """Bytes one device exchanges per training step for CCA's context parallelism, by what
+  the algorithm must move (zaya_jax/parallel/context.py), all layers.
+
+  - K/V all-gather: every forward pass (2 with `cfg.remat`) receives `(C - 1)/C` of the
+    sequence's keys and values, `seqs x T x 2 x K x H` elements per layer; plus the key
+    segment ids, `seqs x T` int32, once per step (they do not change between layers);
+  - dK/dV reduce-scatter: the same `(C - 1)/C x seqs x T x 2 x K x H` per layer, once;
+  - halo: per layer and pass (forwards and backward) two sends of
+    `seqs x (conv_rows x (N + K) x H + value_rows x K/2 x H)` elements (one to each zigzag
+    neighbour; `ModelConfig.context_halo`), plus the halo's segment ids, `2 x seqs x
+    max(conv_rows, value_rows)` int32 once per step.
+
+  Args:
+    cfg: the model (layers, heads, head dim, CCA kernel widths, remat).
+    seqs: sequences per device (the global batch over data x fsdp x expert).
+    seq_len: T, tokens per sequence.
+    context: C, devices on the `context` axis (> 1).
+    bytes_per_elem: bytes of one activation element (the compute dtype).
+  Returns:
+    `{"all-gather", "reduce-scatter", "collective-permute"}` -> bytes per device per step,
+    comparable with `zaya_jax.perf.hlo.context_exchange_bytes`.
+  """
+  forwards = 2 if cfg.remat else 1
+  c, layers = context, cfg.num_layers
+  kv = (c - 1) / c * seqs * seq_len * 2 * cfg.num_kv_heads * cfg.head_dim * bytes_per_elem
+  conv_rows, value_rows = cfg.context_halo
+  send = seqs * cfg.head_dim * (conv_rows * (cfg.num_heads + cfg.num_kv_heads)
+                                + value_rows * cfg.num_kv_heads // 2) * bytes_per_elem
+  return {"all-gather": layers * forwards * kv + (c - 1) / c * seqs * seq_len * 4,
+          "reduce-scatter": layers * kv,
+          "collective-permute": (layers * (forwards + 1) * 2 * send
+                                 + 2 * seqs * max(conv_rows, value_rows) * 4)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,7 +213,10 @@ def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConf
     (`_cost`), `dot_flops` (matmul FLOPs per device, all layers), `<kind>_bytes` for each
     collective kind (`zaya_jax.perf.hlo.collective_bytes`, per device per step),
     `moe_exchange_bytes` (`moe_exchange_bytes`), `a2a_analytic_bytes` (the
-    per-step minimum: `analytic_all_to_all_bytes` x layers x passes, 0 without EP),
+    per-step minimum: `analytic_all_to_all_bytes` x layers x passes, 0 without EP), with
+    context > 1 `cp_exchange_bytes` / `cp_analytic_bytes` and per kind `cp_<kind>_bytes` /
+    `cp_<kind>_analytic_bytes` (`CP_KINDS`; `context_exchange_bytes` against
+    `analytic_context_bytes`),
     `compile_s`, `step_s`, `tokens_per_s` (None when not measured) and a `note`.
   """
   if dispatch is not None:
@@ -216,6 +256,15 @@ def sweep_row(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConf
     for kind in COLLECTIVES:
       row[f"{kind.replace('-', '_')}_bytes"] = sum(o.total_bytes for o in ops if o.kind == kind)
     row["moe_exchange_bytes"] = moe_exchange_bytes(ops)
+    if sizes[CONTEXT] > 1:
+      measured = context_exchange_bytes(ops)
+      analytic = analytic_context_bytes(model_cfg, batch_size // (mesh.size // sizes[CONTEXT]),
+                                        seq_len, sizes[CONTEXT], act_bytes)
+      row["cp_exchange_bytes"] = sum(measured.values())
+      row["cp_analytic_bytes"] = sum(analytic.values())
+      for kind in measured:
+        key = kind.replace("-", "_")
+        row[f"cp_{key}_bytes"], row[f"cp_{key}_analytic_bytes"] = measured[kind], analytic[kind]
     row["step_s"] = row["tokens_per_s"] = None
     if steps and compiled is not None:
       step_s = measure_step_time(compiled, model_cfg, train_cfg, mesh, batch_size, seq_len, steps)
@@ -250,11 +299,14 @@ def run_sweep(model_cfg: ModelConfig, train_cfg: TrainConfig, meshes: list[MeshC
   return rows
 
 
+CP_KINDS = ("all_gather", "reduce_scatter", "collective_permute")  # CCA's context exchange
 CSV_COLUMNS = ("data", "fsdp", "expert", "context", "dispatch", "batch", "seq", "tokens_per_shard",
                "compile_s", "arg_bytes", "out_bytes", "alias_bytes", "temp_bytes", "code_bytes",
                "total_bytes", "flops", "dot_flops", "bytes_accessed",
                *(f"{k.replace('-', '_')}_bytes" for k in COLLECTIVES), "moe_exchange_bytes",
-               "a2a_analytic_bytes", "step_s", "tokens_per_s", "note")
+               "a2a_analytic_bytes", "cp_exchange_bytes", "cp_analytic_bytes",
+               *(f"cp_{k}{suffix}_bytes" for k in CP_KINDS for suffix in ("", "_analytic")),
+               "step_s", "tokens_per_s", "note")
 
 
 def write_csv(rows: list[dict[str, Any]], path: str) -> None:
@@ -304,6 +356,23 @@ def format_exchange_table(rows: list[dict[str, Any]]) -> str:
                     str(r["tokens_per_shard"]), _fmt(r["moe_exchange_bytes"], 2.0**20, 3),
                     _fmt(analytic, 2.0**20, 3),
                     f"{r['moe_exchange_bytes'] / analytic:.2f}" if analytic else "-"))
+  return _columns(head, lines)
+
+
+def format_context_table(rows: list[dict[str, Any]]) -> str:
+  """Per row with context parallelism: CCA's exchange per device per step (off-shard MiB,
+  compiled HLO) against `analytic_context_bytes`, per kind and in all."""
+  head = ("mesh d,f,e,c", "K/V all-gather MiB", "analytic", "dK/dV reduce-scatter MiB",
+          "analytic", "halo permute MiB", "analytic", "ratio all")
+  lines, mib = [], 2.0**20
+  for r in rows:
+    if r.get("context", 1) > 1 and r.get("cp_exchange_bytes") is not None:
+      cells = []
+      for kind in CP_KINDS:
+        cells += [_fmt(r[f"cp_{kind}_bytes"], mib, 3), _fmt(r[f"cp_{kind}_analytic_bytes"], mib, 3)]
+      analytic = r["cp_analytic_bytes"]
+      lines.append((_mesh_label(r), *cells,
+                    f"{r['cp_exchange_bytes'] / analytic:.3f}" if analytic else "-"))
   return _columns(head, lines)
 
 
@@ -363,4 +432,9 @@ def write_report(rows: list[dict[str, Any]], out_dir: str, *, num_layers: int, b
   print("\nMoE token exchange per device per step (off-shard bytes) vs analytic minimum "
         "(tokens x D x bytes x 2 directions x (n-1)/n x layers x fwd+bwd):")
   print(format_exchange_table(rows))
+  if any(r.get("context", 1) > 1 for r in rows):
+    print("\nCCA context-parallel exchange per device per step (off-shard bytes, ops in "
+          "CCA's shard_map) vs analytic (K/V all-gather per forward, dK/dV reduce-scatter, "
+          "halo sends both ways per pass; zaya_jax.perf.mesh_sweep.analytic_context_bytes):")
+    print(format_context_table(rows))
   print(f"\nwrote {out_dir}/mesh_sweep.csv and mesh_sweep.png")
