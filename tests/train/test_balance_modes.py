@@ -387,12 +387,16 @@ def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(mode):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("default_xla_optimizations")  # 200 steps: -O2 runs a step 2.5x faster
+@pytest.mark.usefixtures("default_xla_optimizations")  # 160 steps: -O2 runs a step 2.5x faster
 def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   """zaya1_tiny with `train.warmup_steps=1` (the setting that put every layer's tokens on
-  one expert by step 10 under the old PID controller): by step 200 the default (causal)
+  one expert by step 10 under the old PID controller): by step 160 the default (causal)
   balancing holds the normalised entropy of every layer's load summed over the 16 steps
-  185-200 (32K tokens) >= 0.95. A causal rule's per-step load carries the batch-to-batch
+  145-160 (32K tokens) >= 0.95, on the 200-step schedule stopped at step 160 (issue 22 asks
+  it by step 200; stopping at 160 keeps the suite shorter. Measured 2026-12-03 on the
+  200-step run: the default's lowest layer 0.982 at 145-160 and 0.986 at 185-200;
+  `balance.mode="pid"`, the old controller, 0.779 and 0.915: it fails either way. A run
+  whose schedule ends at 160 instead gives 0.925: the horizon matters, not just the step). A causal rule's per-step load carries the batch-to-batch
   noise of 8 rows (`launch.balance_floor`), so the window is the measure (issue 22's
   target). (With 10x the learning rate as well the router's softmax saturates to exactly
   one-hot within ~10 steps; identical probabilities cannot be split by any bias: README
@@ -401,12 +405,13 @@ def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   config = zaya1_tiny.get_config()  # in-process: what `python -m launch.train` runs
   t = config.train
   t.num_steps, t.warmup_steps, t.log_every, t.eval_every, t.eval_batches = 200, 1, 1, 0, 0
+  t.max_steps_per_run = 160  # the 200-step schedule, stopped at 160
   config.checkpoint.every_steps = 0
   run(config, str(workdir))
   with open(workdir / "metrics.jsonl") as f:
     rows = {r["step"]: r for r in map(json.loads, f) if r["kind"] == "train"}
-  load = np.sum([np.asarray(rows[s]["expert_load"])[:, :-1] for s in range(185, 201)], axis=0)
+  load = np.sum([np.asarray(rows[s]["expert_load"])[:, :-1] for s in range(145, 161)], axis=0)
   share = load / load.sum(-1, keepdims=True)
   entropy = -np.sum(share * np.log(np.where(share > 0, share, 1.0)), -1) / np.log(share.shape[-1])
-  print("windowed load entropy per layer, steps 185-200:", entropy.round(4).tolist())
+  print("windowed load entropy per layer, steps 145-160:", entropy.round(4).tolist())
   assert entropy.shape == (4,) and np.all(entropy >= 0.95), entropy

@@ -154,7 +154,9 @@ _ONE_PASS = {}  # mode -> (state, metrics) of the whole batch in one pass
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accum,mode", [(2, "pid"), (4, "pid"), (2, "quantile"), (2, "adamw")])
+# Accumulation over 4 micro-batches for "pid" and over 2 for the other modes: each mode's
+# update path once, and one loop of more than 2 (2 for "pid" as well was dropped, issue 24).
+@pytest.mark.parametrize("accum,mode", [(4, "pid"), (2, "quantile"), (2, "adamw")])
 @pytest.mark.usefixtures("default_xla_optimizations")
 def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   """Accumulating over micro-batches gives the whole batch's update: the same loss, gradient
