@@ -191,7 +191,7 @@ def test_check_context_names_the_field_and_fix():
   check_context(1, 15, 2, "pallas")  # nothing to check without context parallelism
   with pytest.raises(ValueError, match=r"train\.seq_len=20 is not divisible by 2 x mesh\.context = 8"):
     check_context(4, 20, 2, "xla")
-  with pytest.raises(ValueError, match=r"= 2 tokens per chunk is shorter than CCA's halo of 3"):
+  with pytest.raises(ValueError, match=r"= 2 token\(s\) per chunk is shorter than CCA's halo of 3 tokens .*; use fewer context shards or a train\.seq_len of at least 24$"):
     check_context(4, 16, 3, "xla")
   with pytest.raises(ValueError, match=r"model\.attention_impl='pallas' does not run under"):
     check_context(2, 16, 2, "pallas")

@@ -257,6 +257,8 @@ def test_estimate_with_context_parallelism():
     roofline.estimate(cfg, prof, num_devices=16, batch_size=b, seq_len=t + 1, mesh=MeshConfig(1, 8, 1, 2))
   with pytest.raises(ValueError, match="batch_size=4 is not divisible by the 8 batch shards .*use a multiple of 8"):
     roofline.estimate(cfg, prof, num_devices=16, batch_size=4, seq_len=t, mesh=MeshConfig(1, 8, 1, 2))
+  with pytest.raises(ValueError, match=r"seq_len=16 / \(2 x mesh context=8\) = 1 token\(s\) per zigzag chunk is shorter than CCA's halo of 2 tokens; use a seq_len of at least 32"):
+    roofline.estimate(cfg, prof, num_devices=64, batch_size=8, seq_len=16, mesh=MeshConfig(1, 8, 1, 8))
 
 
 def test_rules_flag_misaligned_and_small_gemms():

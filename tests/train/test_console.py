@@ -114,6 +114,14 @@ def test_header_and_data_summary(tmp_path):
   assert "8 sequences x 256 tokens = 2,048 tokens per step; 300 steps = 614k tokens" in text
   assert "/w/config.json" in text and "/w/optimizer.txt" in text
   assert len(lines) <= 6
+  assert "context parallelism" not in text
+  cp = console.header_lines(
+      resuming=False, step=0, num_steps=300, params_total=3_540_000, params_active=1_210_000,
+      layers=4, experts=8, devices=8, processes=1, mesh_shape={"data": 1, "fsdp": 2, "context": 4},
+      workdir="/w", accelerator="cpu", peak_flops=4.5e10, peak_measured=True, batch_size=8,
+      seq_len=256, data=data)
+  assert ("300 steps = 614k tokens; context parallelism: each sequence in 8 zigzag chunks of 32 "
+          "tokens over 4 devices") in "\n".join(cp)
 
 
 def test_eval_save_end_and_stop_lines():

@@ -99,9 +99,9 @@ def check_context(context: int, seq_len: int, halo: int, attention_impl: str) ->
                      f"{2 * context}")
   if seq_len // (2 * context) < halo:
     raise ValueError(f"train.seq_len={seq_len} / (2 x mesh.context={context}) = "
-                     f"{seq_len // (2 * context)} tokens per chunk is shorter than CCA's halo "
+                     f"{seq_len // (2 * context)} token(s) per chunk is shorter than CCA's halo "
                      f"of {halo} tokens (model.cca_time0 + model.cca_time1 - 2); use fewer "
-                     "context shards")
+                     f"context shards or a train.seq_len of at least {2 * context * halo}")
   if attention_impl == "pallas":
     raise ValueError("model.attention_impl='pallas' does not run under mesh.context > 1 yet "
                      "(the kernel has no zigzag query blocks); set model.attention_impl='xla'")

@@ -429,9 +429,10 @@ def write_report(rows: list[dict[str, Any]], out_dir: str, *, num_layers: int, b
        f"{num_layers} layers, batch {batch_size} x seq {seq_len}. {note}")
   print(f"\nbatch {batch_size} x seq {seq_len}, per device; collectives per step, all layers. {note}")
   print(format_table(rows))
-  print("\nMoE token exchange per device per step (off-shard bytes) vs analytic minimum "
-        "(tokens x D x bytes x 2 directions x (n-1)/n x layers x fwd+bwd):")
-  print(format_exchange_table(rows))
+  if any(r.get("expert", 1) > 1 for r in rows):
+    print("\nMoE token exchange per device per step (off-shard bytes) vs analytic minimum "
+          "(tokens x D x bytes x 2 directions x (n-1)/n x layers x fwd+bwd):")
+    print(format_exchange_table(rows))
   if any(r.get("context", 1) > 1 for r in rows):
     print("\nCCA context-parallel exchange per device per step (off-shard bytes, ops in "
           "CCA's shard_map) vs analytic (K/V all-gather per forward, dK/dV reduce-scatter, "

@@ -207,6 +207,11 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
   if cp > 1 and seq_len % (2 * cp):
     raise ValueError(f"seq_len={seq_len} is not divisible by 2 x mesh context = {2 * cp} "
                      f"(zigzag chunks); use a multiple of {2 * cp} or another context size")
+  if cp > 1 and seq_len // (2 * cp) < max(cfg.context_halo):
+    raise ValueError(f"seq_len={seq_len} / (2 x mesh context={cp}) = {seq_len // (2 * cp)} "
+                     f"token(s) per zigzag chunk is shorter than CCA's halo of "
+                     f"{max(cfg.context_halo)} tokens; use a seq_len of at least "
+                     f"{2 * cp * max(cfg.context_halo)} or another context size")
   c = DTYPE_BYTES[dtype]
   peak = profile.peak_flops(dtype)
   seqs = batch_size // batch_shards  # sequences (or sequence shards) per device

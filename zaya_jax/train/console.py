@@ -261,6 +261,9 @@ def header_lines(*, resuming: bool, step: int, num_steps: int, params_total: int
   """The console header (first line kept as tests and users grep it:
   'Starting|Resuming at step S/N: ...')."""
   tokens_per_step = batch_size * seq_len
+  context = mesh_shape.get("context", 1)
+  split = (f"; context parallelism: each sequence in {2 * context} zigzag chunks of "
+           f"{seq_len // (2 * context):,} tokens over {context} devices" if context > 1 else "")
   peak = "no peak known: MFU not reported" if not peak_flops else (
       f"peak {si(peak_flops)}FLOP/s" + (" (cpu: measured matmul peak)" if peak_measured else
                                         f" ({accelerator} dense peak x {devices})"))
@@ -271,7 +274,7 @@ def header_lines(*, resuming: bool, step: int, num_steps: int, params_total: int
       f"mesh {mesh_shape}, workdir {workdir}",
       f"  accelerator {accelerator}; {peak}",
       f"  global batch {batch_size} sequences x {seq_len} tokens = {tokens_per_step:,} tokens "
-      f"per step; {num_steps} steps = {si(num_steps * tokens_per_step)} tokens",
+      f"per step; {num_steps} steps = {si(num_steps * tokens_per_step)} tokens{split}",
       f"  data {data}",
       f"  config: {os.path.join(workdir, 'config.json')}; optimizer parameter groups: "
       f"{os.path.join(workdir, 'optimizer.txt')}",
