@@ -30,7 +30,8 @@ from zaya_jax.model.layers import compute_dtype, normal, param, zeros
 from zaya_jax.model.rope import apply_rope
 from zaya_jax.ops.attention import attention, dot_product_attention
 from zaya_jax.ops.zigzag_attention import zigzag_block_attention
-from zaya_jax.parallel.context import CONTEXT_SCOPE, context_size, gather_sequence, previous_rows
+from zaya_jax.parallel.context import (CONTEXT_SCOPE, context_size, gather_sequence,
+                                       previous_rows_joint)
 
 
 class CCA(nnx.Module):
@@ -90,8 +91,9 @@ class CCA(nnx.Module):
     """CCA projection: returns q `[B, T, N, H]`, k `[B, T, K, H]`, v `[B, T, K, H]` (before QK-norm).
 
     `halo`: None for whole sequences; under context parallelism
-    `zaya_jax.parallel.context.previous_rows`, which returns the n tokens before each row
-    (the rows are then sequence chunks). The convolutions run over `[the W0 + W1 - 2 q0/k0
+    `zaya_jax.parallel.context.previous_rows_joint`, which returns, for each array given, the
+    n tokens before each row (the rows are then sequence chunks; the conv rows and the
+    delayed-value row travel together). The convolutions run over `[the W0 + W1 - 2 q0/k0
     rows before the chunk, the chunk]` and the delayed value reads the row before it; their
     segment ids come along, so a token of another document (or the zeros the first chunk
     receives, segment 0) contributes nothing, exactly as inside one sequence.
@@ -121,11 +123,13 @@ class CCA(nnx.Module):
     else:
       conv_rows, value_rows = cfg.context_halo
       seg_rows = max(conv_rows, value_rows)
-      seg_ext = jnp.concatenate([halo(segment_ids_BT, seg_rows), segment_ids_BT], axis=1)
-      c_ext = jnp.concatenate([halo(c_BTJH, conv_rows), c_BTJH], axis=1)
+      (seg_halo,) = halo([segment_ids_BT], [seg_rows])
+      c_halo, v_halo = halo([c_BTJH, v_del], [conv_rows, value_rows])  # one exchange each way
+      seg_ext = jnp.concatenate([seg_halo, segment_ids_BT], axis=1)
+      c_ext = jnp.concatenate([c_halo, c_BTJH], axis=1)
       conv_BTJH = self.causal_conv(c_ext, seg_ext[:, seg_rows - conv_rows:])[:, conv_rows:]
       prev_ok = shifted_same_document(seg_ext, 1)[:, seg_rows:]
-      v_prev = jnp.concatenate([halo(v_del, value_rows), v_del], axis=1)[:, value_rows - 1:][:, :t]
+      v_prev = jnp.concatenate([v_halo, v_del], axis=1)[:, value_rows - 1:][:, :t]
     q_BTNH = conv_BTJH[:, :, :n] + m_BTKGH.reshape(b, t, n, h)
     k_BTKH = conv_BTJH[:, :, n:] + jnp.mean(m_BTKGH, axis=3)
     # A document's first token sees the delayed projection of a zero vector (its bias).
@@ -184,7 +188,7 @@ class CCA(nnx.Module):
 
     Per shard r (t = T / C tokens: chunks r and 2C - 1 - r of c = T / 2C tokens): the
     projections and convolutions with each chunk's halo (`qkv` on the two chunks as rows,
-    `halo=previous_rows`), QK-norm, RoPE (tables of the natural positions), then the two
+    `halo=previous_rows_joint`), QK-norm, RoPE (tables of the natural positions), then the two
     query chunks against the keys/values and segment ids all-gathered over `context`,
     masked causally, by document and by the window at natural positions
     (`zigzag_block_attention`: flash-style over the blocks of the causal triangle, the same
@@ -203,7 +207,7 @@ class CCA(nnx.Module):
       b, t = seg_Bt.shape
       as_chunks = lambda x: x.reshape(2 * b, t // 2, *x.shape[2:])  # [B, t] -> [2B, c] rows
       as_shard = lambda x: x.reshape(b, t, *x.shape[2:])
-      q, k, v = map(as_shard, cca.qkv(as_chunks(a_BtD), as_chunks(seg_Bt), halo=previous_rows))
+      q, k, v = map(as_shard, cca.qkv(as_chunks(a_BtD), as_chunks(seg_Bt), halo=previous_rows_joint))
       q, k = cca.qk_norm(q, k)
       q, k = apply_rope(q, cos_BtP, sin_BtP), apply_rope(k, cos_BtP, sin_BtP)
       k_BTKH, v_BTKH, seg_BT = gather_sequence(k), gather_sequence(v), gather_sequence(seg_Bt)

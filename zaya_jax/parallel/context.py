@@ -27,7 +27,8 @@ collectives of this module:
   0 receives zeros, which CCA gives segment id 0 = "no document", so they never contribute).
   Chunk 2C - 1 - r's predecessor (chunk 2C - 2 - r) is the second chunk of shard r + 1: one
   `ppermute` r + 1 -> r; on the middle shard r = C - 1 it is its own first chunk (no
-  communication);
+  communication). `previous_rows_joint` sends the conv rows and the value row together: one
+  `ppermute` each way per layer and pass;
 - `gather_sequence`: the all-gather of CCA's compressed keys/values (and segment ids) over
   `context`, returned in natural order; each shard's two query chunks attend to the key
   chunks before them (`zaya_jax.ops.zigzag_attention.zigzag_block_attention`). Its
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.config.mesh import BATCH_AXES, CONTEXT, check_context
@@ -47,7 +49,7 @@ from zaya_jax.config.mesh import BATCH_AXES, CONTEXT, check_context
 CONTEXT_SCOPE = "cca_context"
 
 __all__ = ["CONTEXT_SCOPE", "check_context", "context_size", "from_context_order", "gather_sequence",
-           "in_context_order", "previous_rows", "to_context_order", "token_order"]
+           "in_context_order", "previous_rows", "previous_rows_joint", "to_context_order", "token_order"]
 
 
 def context_size() -> int:
@@ -158,6 +160,28 @@ def previous_rows(x_RC_: jax.Array, n: int) -> jax.Array:
   middle = jax.lax.axis_index(CONTEXT) == c - 1
   before_second = jnp.where(middle, first, from_next)
   return jnp.stack([from_previous, before_second], axis=1).reshape(-1, n, *rest)
+
+
+def previous_rows_joint(xs_RC_: list[jax.Array], ns: list[int]) -> list[jax.Array]:
+  """`[previous_rows(x, n) for x, n in zip(xs_RC_, ns)]` in one exchange per direction: the
+  arrays' tails are flattened and concatenated, so a CCA layer's conv rows and delayed-value
+  row travel in one `ppermute` each way instead of one per array (half the collectives per
+  layer and pass; the same bytes). Arrays of different dtypes are exchanged one by one.
+
+  Args:
+    xs_RC_: `[2B, c, ...]` chunk rows as for `previous_rows` (same 2B and c).
+    ns: rows wanted of each (static; each <= c).
+  Returns:
+    One `[2B, n, ...]` array per input, as `previous_rows` gives it.
+  """
+  if len(xs_RC_) == 1 or len({x.dtype for x in xs_RC_}) > 1 or 0 in ns:
+    return [previous_rows(x, n) for x, n in zip(xs_RC_, ns)]
+  rows = xs_RC_[0].shape[0]
+  tails = [x[:, x.shape[1] - n:].reshape(rows, -1) for x, n in zip(xs_RC_, ns)]
+  joint = previous_rows(jnp.concatenate(tails, axis=1)[:, None], 1)[:, 0]
+  edges = np.cumsum([0] + [t.shape[1] for t in tails])
+  return [joint[:, a:b].reshape(rows, n, *x.shape[2:])
+          for a, b, x, n in zip(edges[:-1], edges[1:], xs_RC_, ns)]
 
 
 def gather_sequence(x_Bt_: jax.Array) -> jax.Array:
