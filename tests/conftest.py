@@ -25,16 +25,36 @@ MULTIDEVICE_COUNT = 8  # devices a `multidevice` test needs
 
 
 def pytest_collection_modifyitems(config, items):
-  """Skips `multidevice` tests when `jax.device_count() < MULTIDEVICE_COUNT`."""
+  """Skips `multidevice` tests when `jax.device_count() < MULTIDEVICE_COUNT`, then orders the
+  test files heaviest first (`_heaviest_files_first`)."""
   del config
   marked = [item for item in items if "multidevice" in item.keywords]
-  if not marked or jax.device_count() >= MULTIDEVICE_COUNT:  # only then start the backend
-    return
-  skip = pytest.mark.skip(reason=(
-      f"needs {MULTIDEVICE_COUNT} devices, have {jax.device_count()}: run with XLA_FLAGS="
-      f"--xla_force_host_platform_device_count={MULTIDEVICE_COUNT} pytest -m multidevice"))
-  for item in marked:
-    item.add_marker(skip)
+  skipped = set()
+  if marked and jax.device_count() < MULTIDEVICE_COUNT:  # only then start the backend
+    skip = pytest.mark.skip(reason=(
+        f"needs {MULTIDEVICE_COUNT} devices, have {jax.device_count()}: run with XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={MULTIDEVICE_COUNT} pytest -m multidevice"))
+    for item in marked:
+      item.add_marker(skip)
+    skipped = {id(item) for item in marked}
+  _heaviest_files_first(items, skipped)
+
+
+def _heaviest_files_first(items, skipped: set[int]) -> None:
+  """Sorts `items` in place by file: files with more `slow` tests that will run first, the
+  order inside a file and among equal files kept. With `-n 2 --dist loadfile` a file is one
+  unit of work and workers take the next unit as they free up, so the long files start
+  first and the many short ones fill in at the end; xdist's own order (most tests first,
+  `--loadscope-reorder`, turned off in `pytest_configure`) put the longest files, which hold
+  one or two tests, last, and one worker ran them alone for the last minutes of the run."""
+  file_of = lambda item: item.nodeid.split("::", 1)[0]
+  slow, first = {}, {}
+  for i, item in enumerate(items):
+    f = file_of(item)
+    first.setdefault(f, i)
+    if "slow" in item.keywords and id(item) not in skipped:
+      slow[f] = slow.get(f, 0) + 1
+  items.sort(key=lambda item: (-slow.get(file_of(item), 0), first[file_of(item)]))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -94,6 +114,14 @@ _session_cache: str | None = None
 
 
 def pytest_configure(config):
+  """(See `_configure_compilation`; and xdist's reordering of files by test count is turned
+  off, so that `pytest_collection_modifyitems`'s heaviest-first order holds.)"""
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+  _configure_compilation(config)
+
+
+def _configure_compilation(config):
   """JAX's persistent compilation cache for the whole session: one fresh directory per
   process (each xdist worker has its own, so no two writers share it; removed at the end;
   never shared between machines or jobs), every program written (no minimum compile time or
