@@ -106,7 +106,6 @@ def in_context_order(x_BT_: jax.Array, axis: int = 1) -> jax.Array:
 
 
 def token_order(b: int, t: int):
-
   """`(to_tokens, from_tokens)`: `[B, T, ...]` <-> `[M, ...]` (M = B T) in the order in which
   every device's tokens form one contiguous block of M, for the MoE's `P(TOKEN_AXES)`.
 

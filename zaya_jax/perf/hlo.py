@@ -18,6 +18,8 @@ import re
 
 from zaya_jax.parallel.context import CONTEXT_SCOPE
 
+# The kinds CCA's context parallelism uses (`context_exchange_bytes`).
+CONTEXT_KINDS = ("all-gather", "reduce-scatter", "collective-permute")
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
                "ragged-all-to-all")
 
@@ -360,7 +362,7 @@ def context_exchange_bytes(ops: list[CollectiveOp]) -> dict[str, float]:
   Returns:
     `{"all-gather": bytes, "reduce-scatter": bytes, "collective-permute": bytes}`.
   """
-  out = dict.fromkeys(("all-gather", "reduce-scatter", "collective-permute"), 0.0)
+  out = dict.fromkeys(CONTEXT_KINDS, 0.0)
   for o in ops:
     if o.kind in out and CONTEXT_SCOPE in o.op_name:
       out[o.kind] += o.off_shard_bytes

@@ -38,8 +38,9 @@ from zaya_jax.parallel.dispatch import resolve_dispatch
 from zaya_jax.parallel.mesh import (CONTEXT, EXPERT, MeshConfig, abstract_with_shardings,
                                     check_divisibility, make_mesh, use_mesh)
 from zaya_jax.perf import report
-from zaya_jax.perf.hlo import (COLLECTIVES, collective_ops, context_exchange_bytes, dot_flops,
-                               moe_exchange_bytes)
+from zaya_jax.perf.hlo import (COLLECTIVES, CONTEXT_KINDS, collective_ops, context_exchange_bytes,
+                               dot_flops, moe_exchange_bytes)
+from zaya_jax.perf.roofline import context_halo_elements
 from zaya_jax.perf.synthetic import abstract_batch, synthetic_batch
 from zaya_jax.train.optim import make_optimizer
 from zaya_jax.train.setup import setup_training
@@ -129,8 +130,7 @@ def analytic_context_bytes(cfg: ModelConfig, seqs: int, seq_len: int, context: i
   c, layers = context, cfg.num_layers
   kv = (c - 1) / c * seqs * seq_len * 2 * cfg.num_kv_heads * cfg.head_dim * bytes_per_elem
   conv_rows, value_rows = cfg.context_halo
-  send = seqs * cfg.head_dim * (conv_rows * (cfg.num_heads + cfg.num_kv_heads)
-                                + value_rows * cfg.num_kv_heads // 2) * bytes_per_elem
+  send = seqs * context_halo_elements(cfg) * bytes_per_elem
   return {"all-gather": layers * forwards * kv + (c - 1) / c * seqs * seq_len * 4,
           "reduce-scatter": layers * kv,
           "collective-permute": (layers * (forwards + 1) * 2 * send
@@ -299,7 +299,7 @@ def run_sweep(model_cfg: ModelConfig, train_cfg: TrainConfig, meshes: list[MeshC
   return rows
 
 
-CP_KINDS = ("all_gather", "reduce_scatter", "collective_permute")  # CCA's context exchange
+CP_KINDS = tuple(k.replace("-", "_") for k in CONTEXT_KINDS)  # CCA's context exchange
 CSV_COLUMNS = ("data", "fsdp", "expert", "context", "dispatch", "batch", "seq", "tokens_per_shard",
                "compile_s", "arg_bytes", "out_bytes", "alias_bytes", "temp_bytes", "code_bytes",
                "total_bytes", "flops", "dot_flops", "bytes_accessed",

@@ -122,6 +122,16 @@ def _other_seconds(cfg: ModelConfig, profile: AcceleratorProfile, dtype: str, to
                                             cfg.num_layers * conv_bytes / profile.hbm_bandwidth)}
 
 
+def context_halo_elements(cfg: ModelConfig) -> int:
+  """Elements of one sequence's halo send before one zigzag chunk, per CCA layer and pass:
+  the `conv_rows` pre-convolution `[q0, k0]` rows (N + K heads) and the `value_rows`
+  delayed-value rows (K / 2 heads) of `ModelConfig.context_halo`, H each (their segment ids
+  not included)."""
+  conv_rows, value_rows = cfg.context_halo
+  return cfg.head_dim * (conv_rows * (cfg.num_heads + cfg.num_kv_heads)
+                         + value_rows * cfg.num_kv_heads // 2)
+
+
 def busiest_shard_attention_factor(cfg: ModelConfig, seq_len: int, context: int) -> float:
   """Attention FLOPs per query token of the busiest of `context` sequence shards in zigzag
   order (zaya_jax/parallel/context.py: shard r holds chunks r and 2C - 1 - r of T / 2C
@@ -271,10 +281,8 @@ def estimate(cfg: ModelConfig, profile: AcceleratorProfile, *, num_devices: int,
     # before each of a device's two zigzag chunks (`ModelConfig.context_halo`): one send to
     # each neighbour, in opposite directions of the (full-duplex) links, so priced as one
     # send's time (forward and backward).
-    conv_rows, value_rows = cfg.context_halo
-    halo = seqs * (conv_rows * (cfg.num_heads + cfg.num_kv_heads) + value_rows * cfg.num_kv_heads // 2)
-    comm["context_halo"] = (cfg.num_layers * (forwards + 1) * halo * cfg.head_dim * c
-                            / profile.scale_up_bandwidth)
+    comm["context_halo"] = (cfg.num_layers * (forwards + 1) * seqs * context_halo_elements(cfg)
+                            * c / profile.scale_up_bandwidth)
   if ep > 1:  # dispatch + combine, forward + backward: each token's D row leaves and returns
     payload = 2 * 3 * cfg.num_layers * tokens * cfg.hidden_size * c  # rows this device sends
     comm["expert_all_to_all"] = collective_seconds(profile, payload, ep, cp)  # (ep-1)/ep leave
