@@ -324,3 +324,50 @@ def test_muon_train_step_changes_every_parameter():
       jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), before, state.params))
   unchanged = [jax.tree_util.keystr(p) for p, c in changed if not c]
   assert not unchanged, f"not updated: {unchanged}"
+
+
+# --- router learning-rate scale --------------------------------------------------------------
+
+def test_router_lr_scale_scales_only_the_router_updates(tiny_params):
+  """`train.router_lr_scale`: two steps of the same gradients; every router parameter's update
+  (the matrices on Muon with `muon_router`, the vectors on AdamW) is `scale` x the unscaled
+  one, every other parameter's is the same, and the optimizer state is the same tree (so
+  checkpoints restore whatever the scale)."""
+  keys = iter(jax.random.split(jax.random.key(0), 1000))
+  concrete = lambda tree: jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape), tree)
+  params = concrete(tiny_params)
+  grads = [concrete(tiny_params) for _ in range(2)]
+  base = dict(optimizer="muon", muon_router=True, warmup_steps=0, num_steps=10, lr=1e-2,
+              grad_clip_norm=0.0)
+
+  def updates(train):
+    tx = make_optimizer(train, params)
+
+    @jax.jit
+    def two_steps(params, grads):
+      state = tx.init(params)
+      for g in grads:
+        u, state = tx.update(g, state, params)
+      return u, state
+    return two_steps(params, grads)
+
+  u1, s1 = updates(TrainConfig(**base))
+  u2, s2 = updates(TrainConfig(**base, router_lr_scale=0.25))
+  assert jax.tree.structure(s1) == jax.tree.structure(s2)
+  flat1, flat2 = dict(nnx.to_flat_state(u1)), dict(nnx.to_flat_state(u2))
+  routers = [p for p in flat1 if "router" in p]
+  assert len(routers) == len(ROUTER) + 5  # the matrices and the biases, norm and EDA scale
+  for path, v in flat1.items():
+    want = np.asarray(v[...]) * (0.25 if "router" in path else 1.0)
+    np.testing.assert_allclose(np.asarray(flat2[path][...]), want, rtol=1e-6, atol=1e-12,
+                               err_msg="/".join(map(str, path)))
+  text = describe_optimizer(TrainConfig(**base, router_lr_scale=0.25), tiny_params)
+  rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("layers")}
+  assert rows["layers/mlp/router/fc1"][1:3] == ["muon", "0.005"]  # muon_lr 0.02 x 0.25
+  assert rows["layers/mlp/router/fc1_bias"][1:3] == ["adamw", "0.0025"]
+  assert rows["layers/mlp/experts/w_up"][1:3] == ["muon", "0.02"]
+
+
+def test_router_lr_scale_must_be_positive():
+  with pytest.raises(ConfigError, match="train.router_lr_scale=0"):
+    TrainConfig(router_lr_scale=0)

@@ -21,6 +21,11 @@ is orthogonalised on its own), the remaining axes form the reduction (input) gro
 output group in storage order, where adjacent head axes (`q_heads`/`kv_heads` and `head_dim`)
 fuse into one matrix dimension.
 
+`train.router_lr_scale` multiplies the updates of every router parameter
+(`layers/mlp/router/*`: the MLP's matrices, biases, norm and EDA scale; in whichever group
+they are) after the optimizer, i.e. the router trains at its group's lr x the scale; the
+optimizer state does not change with it.
+
 Schedules (`train.schedule`), both with a linear warm-up from 0 over `train.warmup_steps`,
 over the horizon `schedule_horizon(train)` (`train.schedule_steps`, 0 = `num_steps`):
   "cosine"  cosine decay to `peak * min_lr_ratio` at the horizon;
@@ -67,6 +72,7 @@ MUON_BATCH_AXES = (STACKED_AXIS, "experts")
 MUON_FUSED_AXES = ("q_heads", "kv_heads", "head_dim")
 
 MUON, ADAMW = "muon", "adamw"  # group labels
+ROUTER_MODULE = "router"  # path part of every router parameter (layers/mlp/router/...)
 
 
 # --- schedules -------------------------------------------------------------------------------
@@ -351,9 +357,34 @@ def make_optimizer(train: TrainConfig, params: nnx.State) -> optax.GradientTrans
         is_leaf=_is_var)
     tx = optax.multi_transform({MUON: _muon(train, groups), ADAMW: _adamw(train, params)},
                                labels)
+  if train.router_lr_scale != 1.0:
+    tx = _scale_router_updates(tx, train.router_lr_scale)
   if train.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(train.grad_clip_norm), tx)
   return tx
+
+
+def is_router_path(path) -> bool:
+  """True for a parameter of the router MLP (a key path with a `router` part)."""
+  return ROUTER_MODULE in _path_parts(path)
+
+
+def _scale_router_updates(tx: optax.GradientTransformation, scale: float
+                          ) -> optax.GradientTransformation:
+  """`tx` with the router parameters' updates multiplied by `scale` (`train.router_lr_scale`).
+
+  The updates are scaled after `tx` has applied its learning rate and decoupled weight decay,
+  so the router trains exactly as with its group's peak lr x `scale` (the decay term scales
+  with the lr as in optax). The state is `tx`'s own (no extra leaves), so checkpoints restore
+  whatever the scale.
+  """
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, state, params)
+    updates = jax.tree_util.tree_map_with_path(
+        lambda path, u: u * scale if is_router_path(path) else u, updates)
+    return updates, state
+
+  return optax.GradientTransformation(tx.init, update)
 
 
 # --- summary ---------------------------------------------------------------------------------
@@ -391,15 +422,16 @@ def describe_optimizer(train: TrainConfig, params: nnx.State) -> str:
     name = path_name(path)
     dn = groups[name]
     counts[ADAMW if dn is None else MUON] += int(np.prod(v.shape))
+    scale = train.router_lr_scale if is_router_path(path) else 1.0
     if dn is None:
-      row = [name, ADAMW, f"{train.lr:g}", f"{train.weight_decay if mask[name] else 0.0:g}",
+      row = [name, ADAMW, f"{train.lr * scale:g}", f"{train.weight_decay if mask[name] else 0.0:g}",
              str(tuple(v.shape)), ""]
     else:
       axes = v.get_metadata()["out_sharding"]
       red, out = tuple(dn.reduction_axis), tuple(dn.output_axis)
       batch = [a for a in range(len(axes)) if a not in red + out]
       fmt = lambda ix: ",".join(axes[i] or f"#{i}" for i in ix) or "-"  # #i: unnamed axis i
-      row = [name, MUON, f"{train.muon_lr:g}", f"{train.muon_weight_decay:g}",
+      row = [name, MUON, f"{train.muon_lr * scale:g}", f"{train.muon_weight_decay:g}",
              str(tuple(v.shape)), f"{fmt(batch)} / {fmt(red)} / {fmt(out)}"]
     rows.append(row)
   header = ["parameter", "group", "peak lr", "wd", "shape", "muon batch / reduction / output"]
