@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import ZayaForCausalLM
 
-from tests.convert.common import CONFIG, HF_ARCH, cli
 from tests.model import hf_reference
 from zaya_jax.generate import generate, greedy_generate_recompute
 from zaya_jax.hf import load_pretrained
@@ -105,29 +104,3 @@ def test_cached_generate_matches_transformers_generate(models):
     got = generate(ours, prompt.numpy(), NEW, eos_token_id=eos, pad_token_id=0).tokens
     np.testing.assert_array_equal(got, hf_generate(hf, prompt, use_cache=True, eos_token_id=eos,
                                                    pad_token_id=0))
-
-
-@pytest.mark.slow
-def test_generate_cli_on_a_run_and_an_hf_dir(tmp_path):
-  """launch.generate on a workdir (step 0 imported by launch.convert_from_hf) and on the HF
-  directory itself: same greedy text, a speed line; bad paths exit with one line."""
-  hf, _ = hf_reference.build(seed=7, **HF_ARCH)
-  hf.save_pretrained(tmp_path / "hf")
-  cache = tmp_path / "jax_cache"
-  _, imported = cli("launch.convert_from_hf", f"--hf_dir={tmp_path / 'hf'}",
-                    f"--workdir={tmp_path / 'run'}", *CONFIG, cache_dir=cache)
-  assert (f"training settings in {tmp_path / 'run' / 'config.py'} come from "
-          "--config=configs/zaya1_tiny.py: 300 steps of 8 x 256") in imported, imported
-  args = ["--prompt=def f(", "--max_new_tokens=6"]
-  _, run_out = cli("launch.generate", f"--workdir={tmp_path / 'run'}", *args, cache_dir=cache)
-  _, hf_out = cli("launch.generate", f"--hf_dir={tmp_path / 'hf'}", "--tokenizer=byte", *args,
-                  cache_dir=cache)
-  text = lambda out: [l for l in out.splitlines() if l.startswith("def f(")]
-  assert text(run_out) and text(run_out) == text(hf_out), (run_out[-2000:], hf_out[-2000:])
-  assert "tokens/s" in run_out and "step 0" in run_out
-  rc, out = cli("launch.generate", f"--workdir={tmp_path / 'nowhere'}", *args, cache_dir=cache,
-                check=False)
-  assert rc != 0 and "no such directory" in out.splitlines()[-1], out[-1000:]
-  rc, out = cli("launch.generate", f"--workdir={tmp_path / 'run'}", "--step=9", *args,
-                cache_dir=cache, check=False)
-  assert rc != 0 and "--step=9" in out, out[-1000:]

@@ -9,6 +9,7 @@ LM-head biases so the optional tensors travel too:
   2. `convert_to_hf --step=0 --max_shard_size=50KB` exports it again, in several shards;
   3. `launch.train` resumes from step 0 and trains 3 steps;
   4. `convert_to_hf` exports the latest step (3) as one float32 file.
+`launch.generate` then runs on the workdir's step 0 and on the HF directory (the same text).
 Then: the step-0 export equals the source tensors bit for bit (so the import checkpoint holds
 exactly the HF parameters and biases), and transformers loads the trained export with no
 missing or unexpected keys and gives the logits of the step-3 checkpoint (<= 1e-4, after
@@ -37,6 +38,7 @@ from zaya_jax.model import ModelConfig, ZayaForCausalLM
 from zaya_jax.parallel.mesh import abstract_with_shardings
 
 STEPS = 3
+GENERATE = ["--prompt=def f(", "--max_new_tokens=6"]
 TRAIN = ["--config.train.seq_len=32", "--config.train.batch_size=2",
          f"--config.train.num_steps={STEPS}", "--config.train.warmup_steps=1",
          "--config.train.log_every=1", "--config.train.eval_batches=0"]
@@ -51,15 +53,16 @@ def chain(tmp_path_factory, compile_cache_dir):
   hf, ids = hf_reference.build(seed=7, **HF_ARCH)
   hf.save_pretrained(paths["hf"])
   cache = paths["cache"]
-  _, out = cli("launch.convert_from_hf", f"--hf_dir={paths['hf']}", f"--workdir={paths['run']}",
-               *CONFIG, cache_dir=cache)
-  assert "wrote" in out and os.path.isdir(paths["run"] / "checkpoints" / "0"), out[-2000:]
+  _, import_out = cli("launch.convert_from_hf", f"--hf_dir={paths['hf']}",
+                      f"--workdir={paths['run']}", *CONFIG, cache_dir=cache)
+  assert "wrote" in import_out and os.path.isdir(paths["run"] / "checkpoints" / "0"), import_out[-2000:]
   cli("launch.convert_to_hf", f"--workdir={paths['run']}", "--step=0", f"--out={paths['step0']}",
       "--dtype=float32", "--max_shard_size=50KB", cache_dir=cache)
   _, train_out = cli("launch.train", f"--workdir={paths['run']}", *CONFIG, *TRAIN, cache_dir=cache)
   _, export_out = cli("launch.convert_to_hf", f"--workdir={paths['run']}",
                       f"--out={paths['trained']}", "--dtype=float32", cache_dir=cache)
-  return dict(paths, hf_model=hf, ids=ids, train_out=train_out, export_out=export_out)
+  return dict(paths, hf_model=hf, ids=ids, import_out=import_out, train_out=train_out,
+              export_out=export_out)
 
 
 @pytest.mark.slow
@@ -124,6 +127,22 @@ def test_trained_export_matches_checkpoint_in_transformers(chain):
 
 
 @pytest.mark.slow
+def test_generate_cli_on_the_run_and_on_the_hf_dir(chain):
+  """launch.generate on the workdir's step 0 (the import) and on the HF directory itself: the
+  same greedy text and a speed line. (Its bad paths are in the next test.)"""
+  run, hf, cache = chain["run"], chain["hf"], chain["cache"]
+  assert (f"training settings in {run / 'config.py'} come from "
+          "--config=configs/zaya1_tiny.py: 300 steps of 8 x 256") in chain["import_out"], \
+      chain["import_out"]
+  _, run_out = cli("launch.generate", f"--workdir={run}", "--step=0", *GENERATE, cache_dir=cache)
+  _, hf_out = cli("launch.generate", f"--hf_dir={hf}", "--tokenizer=byte", *GENERATE,
+                  cache_dir=cache)
+  text = lambda out: [l for l in out.splitlines() if l.startswith("def f(")]
+  assert text(run_out) and text(run_out) == text(hf_out), (run_out[-2000:], hf_out[-2000:])
+  assert "tokens/s" in run_out and "step 0" in run_out
+
+
+@pytest.mark.slow
 def test_bad_inputs_exit_with_a_message(chain, tmp_path):
   """Each bad input: a non-zero exit and a one-line reason naming it (no traceback)."""
   run, cache = chain["run"], chain["cache"]
@@ -132,6 +151,8 @@ def test_bad_inputs_exit_with_a_message(chain, tmp_path):
        f"--workdir={tmp_path / 'nope'}: no such directory"),
       (("launch.convert_to_hf", f"--workdir={run}", "--step=7", f"--out={tmp_path / 'o2'}"),
        f"--step=7: no such checkpoint in {run}/checkpoints; it holds steps [0, {STEPS}]"),
+      (("launch.generate", f"--workdir={tmp_path / 'nowhere'}", *GENERATE), "no such directory"),
+      (("launch.generate", f"--workdir={run}", "--step=9", *GENERATE), "--step=9"),
       (("launch.convert_from_hf", f"--hf_dir={chain['hf']}", f"--workdir={tmp_path / 'w1'}",
         *CONFIG, "--config.model.num_experts=8"),
        "--config.model.num_experts=8 vs 4"),
