@@ -30,9 +30,9 @@ from tests.helpers import REPO, finish_run, launch_train, run_records
 
 NUM_STEPS = 16
 EVERY = 4  # checkpoint interval
-CONFIG = [  # steps of ~0.2 s, so that a signal lands mid-run
+CONFIG = [  # steps of 0.1-0.4 s, so that a signal lands mid-run (issue 24: batch 8 -> 4)
     "--config.train.seq_len=256",
-    "--config.train.batch_size=8",
+    "--config.train.batch_size=4",
     "--config.train.eval_batches=0",
     f"--config.train.num_steps={NUM_STEPS}",
     f"--config.checkpoint.every_steps={EVERY}",
