@@ -111,7 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.muon_ns_steps = 5  # Newton-Schulz iterations orthogonalising each Muon update
   t.muon_router = False  # also put the router matrices (down_proj, fc1, fc2, out_proj) on Muon
   t.muon_consistent_rms = 0.0  # > 0: scale Muon updates to this RMS (0.2 ~ AdamW's, then muon_lr ~ lr); 0 = sqrt(max(1, fan_out/fan_in))
-  t.router_lr_scale = 1.0  # router parameters (layers/mlp/router/*) at this multiple of their lr
+  t.router_lr_scale = 0.1  # router parameters (layers/mlp/router/*) at this multiple of their lr: a router 10x slower than the experts, which the lag-one balancing follows (README "Load balancing"); 1.0 = ZAYA1's plain recipe
   t.log_every = 50  # steps between train log lines / metrics.jsonl records
   t.eval_every = 1_000  # steps between evaluations (and one at the end); 0 = only at the end
   t.eval_batches = 16  # batches of `batch_size` sequences in each evaluation
@@ -181,7 +181,7 @@ def get_config() -> ml_collections.ConfigDict:
   b.quantile_ema = 0.5  # "quantile": b <- ema*b + (1-ema)*solved each step; 0.5 halves the simultaneous step ("next": it may overshoot 2x otherwise)
   b.quantile_iters = 1  # "quantile" "next": histogram steps per train step, each one all-reduce of [L, X, 162]
   b.quantile_step = 1.0  # "quantile" "next": fraction of each histogram step taken
-  b.quantile_integral = 0.0  # "quantile" "next": b += ki * (running sum of the solved shifts) on top of the EMA step; 0 = the EMA step alone (it lags a drifting router); 0.15 measured better in steady state (README "Load balancing")
+  b.quantile_integral = 0.15  # "quantile" "next": b += ki * (running sum of the solved shifts) on top of the EMA step (removes its lag behind a drifting router; README "Load balancing"); 0 = the EMA step alone
   b.quantile_sweeps = 64  # "quantile" with "current": most coordinate sweeps of the exact solve (it stops once every class is within 1 token)
   b.bias_clamp = 0.0  # controlled biases stay in [-this, this]; 0 = no clamp
   # Target fraction of tokens routed to the skip class; None (or < 0) = off: the skip bias

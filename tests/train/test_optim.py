@@ -338,7 +338,8 @@ def test_router_lr_scale_scales_only_the_router_updates(tiny_params):
   params = concrete(tiny_params)
   grads = [concrete(tiny_params) for _ in range(2)]
   base = dict(optimizer="muon", muon_router=True, warmup_steps=0, num_steps=10, lr=1e-2,
-              grad_clip_norm=0.0)
+              grad_clip_norm=0.0, router_lr_scale=1.0)  # unscaled (the default is 0.1)
+  scaled = {**base, "router_lr_scale": 0.25}
 
   def updates(train):
     tx = make_optimizer(train, params)
@@ -352,7 +353,7 @@ def test_router_lr_scale_scales_only_the_router_updates(tiny_params):
     return two_steps(params, grads)
 
   u1, s1 = updates(TrainConfig(**base))
-  u2, s2 = updates(TrainConfig(**base, router_lr_scale=0.25))
+  u2, s2 = updates(TrainConfig(**scaled))
   assert jax.tree.structure(s1) == jax.tree.structure(s2)
   flat1, flat2 = dict(nnx.to_flat_state(u1)), dict(nnx.to_flat_state(u2))
   routers = [p for p in flat1 if "router" in p]
@@ -361,7 +362,7 @@ def test_router_lr_scale_scales_only_the_router_updates(tiny_params):
     want = np.asarray(v[...]) * (0.25 if "router" in path else 1.0)
     np.testing.assert_allclose(np.asarray(flat2[path][...]), want, rtol=1e-6, atol=1e-12,
                                err_msg="/".join(map(str, path)))
-  text = describe_optimizer(TrainConfig(**base, router_lr_scale=0.25), tiny_params)
+  text = describe_optimizer(TrainConfig(**scaled), tiny_params)
   rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("layers")}
   assert rows["layers/mlp/router/fc1"][1:3] == ["muon", "0.005"]  # muon_lr 0.02 x 0.25
   assert rows["layers/mlp/router/fc1_bias"][1:3] == ["adamw", "0.0025"]

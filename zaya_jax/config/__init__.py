@@ -73,7 +73,7 @@ class TrainConfig:
   muon_ns_steps: int = 5  # Newton-Schulz iterations per Muon update
   muon_router: bool = False  # router matrices (down_proj, fc1, fc2, out_proj) on Muon, not AdamW
   muon_consistent_rms: float = 0.0  # Muon update RMS target (e.g. 0.2 ~ AdamW); 0 = width scaling
-  router_lr_scale: float = 1.0  # the router's parameters (layers/mlp/router/*) train at lr x this
+  router_lr_scale: float = 0.1  # the router's parameters (layers/mlp/router/*) train at lr x this (0.1: the balancing keeps up; README "Load balancing")
   log_every: int = 50  # steps between log lines
   eval_every: int = 1_000  # steps between evaluations; 0 = only at the end
   eval_batches: int = 16  # batches per evaluation; 0 = no evaluation
@@ -212,7 +212,7 @@ class BalanceConfig:
   quantile_sweeps: int = 64  # "quantile": most coordinate sweeps over the classes per solve
   quantile_iters: int = 1  # "quantile" "next": histogram steps per train step (one all-reduce each)
   quantile_step: float = 1.0  # "quantile" "next": fraction of each histogram step taken
-  quantile_integral: float = 0.0  # "quantile" "next": gain on the running sum of the solved shifts (removes the lag behind a drifting router)
+  quantile_integral: float = 0.15  # "quantile" "next": gain on the running sum of the solved shifts (removes the lag behind a drifting router); 0 = the EMA step alone
   bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp
   skip_target: float | None = None  # target fraction of tokens skipping the experts; None/<0 = off
   router_z_loss: float = 0.0  # coefficient of the router z-loss added to the training loss

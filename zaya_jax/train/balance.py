@@ -12,7 +12,7 @@ balancing; ZAYA1-8B report §II-A.2). Four rules (`balance.mode`):
               step's batch, read from one all-reduced histogram [L, X, 162]
               (`zaya_jax.model.quantile.histogram_biases`; `quantile_iters` such steps, each
               `quantile_step` of the way), mixed by the EMA `b <- ema * b + (1 - ema) *
-              solved`, plus `quantile_integral` ki times the running sum I of the solved
+              solved`, plus `quantile_integral` ki (default 0.15) times the running sum I of the solved
               shifts d = solved - b (I <- I + d, in the controller state's `integral`):
               b <- b + (1 - ema) d + ki I. The EMA step alone lags a router that keeps
               drifting against the biases by a constant share; the integral (a type-2

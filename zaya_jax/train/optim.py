@@ -24,7 +24,8 @@ fuse into one matrix dimension.
 `train.router_lr_scale` multiplies the updates of every router parameter
 (`layers/mlp/router/*`: the MLP's matrices, biases, norm and EDA scale; in whichever group
 they are) after the optimizer, i.e. the router trains at its group's lr x the scale; the
-optimizer state does not change with it.
+optimizer state does not change with it. The default 0.1 keeps the router slow enough for the
+lag-one balancing to follow it (README "Load balancing"); 1.0 is ZAYA1's plain recipe.
 
 Schedules (`train.schedule`), both with a linear warm-up from 0 over `train.warmup_steps`,
 over the horizon `schedule_horizon(train)` (`train.schedule_steps`, 0 = `num_steps`):
