@@ -205,7 +205,7 @@ def test_quantile_integral_removes_the_lag_behind_a_drifting_router():
   """A lagged rule behind a router that drifts at a constant rate: the EMA step alone (a type-1
   loop) holds a constant overload of the favoured experts; with the integral (type 2) it
   decays to the sampling noise."""
-  lag = drifting_share_error(BalanceConfig(mode="quantile"))  # the default: no integral
+  lag = drifting_share_error(BalanceConfig(mode="quantile", quantile_integral=0.0))  # no integral
   pi = drifting_share_error(BalanceConfig(mode="quantile", quantile_integral=0.15))
   print(f"expert 0 share error, steps 30-60: EMA alone {lag[30:].mean():+.4f}, "
         f"with integral {pi[30:].mean():+.4f} (target share {1 / E:.3f})")
