@@ -271,6 +271,31 @@ def test_a_balance_mode_change_restarts_the_controller_state(tiny, tmp_path, cap
   with caplog.at_level("WARNING"):
     other = ckpt.restore_latest(tiny.target, tiny.iterator(), pid).state
   assert "balance.mode changed 'quantile' -> 'pid'" in caplog.text
+  assert "changed router/balancing settings" not in caplog.text  # only the mode changed
   assert_trees_equal(other.balance, jax.tree.map(jnp.zeros_like, balance))
   assert_trees_equal(other.model_state, state.model_state)  # the biases are kept
+  slower = dataclasses.replace(tiny.cfg, train=dataclasses.replace(
+      tiny.cfg.train, router_lr_scale=tiny.cfg.train.router_lr_scale / 2))
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    kept = ckpt.restore_latest(tiny.target, tiny.iterator(), slower).state
+  assert (f"changed router/balancing settings: train.router_lr_scale "
+          f"{tiny.cfg.train.router_lr_scale!r} -> {slower.train.router_lr_scale!r}") in caplog.text
+  assert_trees_equal(kept.balance, balance)  # the same mode: the controller state is kept
   ckpt.close()
+
+
+def test_changed_balancing_settings_are_named():
+  """A resume under other router/balancing settings (e.g. a run saved before the 2026-12-03
+  defaults) names each change; a saved config without a field stands for its old default."""
+  import types
+  from zaya_jax.checkpoint.compat import changed_balancing_settings
+  from zaya_jax.config import BalanceConfig, TrainConfig
+  # The defaults: router_lr_scale 0.1, quantile_integral 0.15, quantile_ema 0.5.
+  cfg = types.SimpleNamespace(train=TrainConfig(), balance=BalanceConfig())
+  saved = {"train": {"router_lr_scale": 0.1}, "balance": {"quantile_integral": 0.15}}
+  assert changed_balancing_settings(saved, cfg) == []
+  assert changed_balancing_settings({"train": {}, "balance": {}}, cfg) == [
+      "train.router_lr_scale 1.0 -> 0.1", "balance.quantile_integral 0.0 -> 0.15"]
+  saved["balance"]["quantile_ema"] = 0.8
+  assert changed_balancing_settings(saved, cfg) == ["balance.quantile_ema 0.8 -> 0.5"]

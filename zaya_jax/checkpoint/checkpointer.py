@@ -303,6 +303,11 @@ class Checkpointer:
         data_restored = True
 
     restored = {name: out[name] for name in targets}
+    changed = compat.changed_balancing_settings(saved, config)
+    if changed:
+      logging.warning("checkpoint %s: resuming with changed router/balancing settings: %s (the "
+                      "run continues with the new values; set them back to keep the old ones)",
+                      path, ", ".join(changed))
     reset = compat.balance_state_reset_reason(saved, config)
     if reset and "balance" in restored.get("train_meta", {}):
       logging.warning("checkpoint %s: %s", path, reset)

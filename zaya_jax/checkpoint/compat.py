@@ -132,6 +132,27 @@ def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str 
   return None
 
 
+# Settings that change how the router and its balancing train, which a resume may change (they
+# are not in the checkpointed state's shapes), with the value a run saved before the field
+# existed had: the default then. Their defaults changed on 2026-12-03 (README "Load balancing").
+_BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("balance", "quantile_integral", 0.0),
+                       ("balance", "quantile_ema", 0.5))
+
+
+def changed_balancing_settings(saved: dict[str, Any], config: RunConfig) -> list[str]:
+  """`"group.field old -> new"` for each of `_BALANCING_SETTINGS` whose value in the saved run
+  config `saved` (a field the saved run lacks: its value before the field existed) differs
+  from `config`'s. Not an error: the run continues with the new values (the checkpointer
+  warns once, so that a run resumed under new defaults does not change silently)."""
+  out = []
+  for group, field, before in _BALANCING_SETTINGS:
+    old = saved.get(group, {}).get(field, before)
+    new = getattr(getattr(config, group), field)
+    if old != new:
+      out.append(f"{group}.{field} {old!r} -> {new!r}")
+  return out
+
+
 def saved_model_config(saved: dict[str, Any]) -> ModelConfig:
   """The ModelConfig of a saved RunConfig dict (fields unknown to this code are dropped)."""
   names = {f.name for f in dataclasses.fields(ModelConfig)}
