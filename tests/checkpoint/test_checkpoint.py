@@ -291,11 +291,11 @@ def test_changed_balancing_settings_are_named():
   import types
   from zaya_jax.checkpoint.compat import changed_balancing_settings
   from zaya_jax.config import BalanceConfig, TrainConfig
-  # The defaults: router_lr_scale 0.1, quantile_integral 0.15, quantile_ema 0.5.
+  # The defaults: router_lr_scale 0.1, quantile_integral 0.15.
   cfg = types.SimpleNamespace(train=TrainConfig(), balance=BalanceConfig())
   saved = {"train": {"router_lr_scale": 0.1}, "balance": {"quantile_integral": 0.15}}
   assert changed_balancing_settings(saved, cfg) == []
   assert changed_balancing_settings({"train": {}, "balance": {}}, cfg) == [
       "train.router_lr_scale 1.0 -> 0.1", "balance.quantile_integral 0.0 -> 0.15"]
-  saved["balance"]["quantile_ema"] = 0.8
-  assert changed_balancing_settings(saved, cfg) == ["balance.quantile_ema 0.8 -> 0.5"]
+  saved["balance"]["quantile_integral"] = 0.3
+  assert changed_balancing_settings(saved, cfg) == ["balance.quantile_integral 0.3 -> 0.15"]

@@ -132,11 +132,10 @@ def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str 
   return None
 
 
-# Settings that change how the router and its balancing train, which a resume may change (they
-# are not in the checkpointed state's shapes), with the value a run saved before the field
-# existed had: the default then. Their defaults changed on 2026-12-03 (README "Load balancing").
-_BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("balance", "quantile_integral", 0.0),
-                       ("balance", "quantile_ema", 0.5))
+# Settings whose defaults changed on 2026-12-03 (README "Load balancing") and which a resume may
+# change (they are not in the checkpointed state's shapes), with the value a run saved before
+# the field existed had: the default then (no router scaling, no integral).
+_BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("balance", "quantile_integral", 0.0))
 
 
 def changed_balancing_settings(saved: dict[str, Any], config: RunConfig) -> list[str]:
