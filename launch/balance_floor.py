@@ -6,6 +6,14 @@ Reads the run's checkpoint and its own training batches, and prints the median w
 max/mean expert load per step under the exact solve of the previous batch (the "oracle"
 floor), the default histogram rule run over the same frozen batches, and the stored biases;
 and the share of routings the rule's update moves to another class per batch (churn).
+
+  python -m launch.balance_floor --workdir=/tmp/zaya_tiny --fit_batches=128 --test_batches=32 \
+      --eval_batches=32
+
+also gives the floor of the load at evaluation: per layer, the max/mean of one fixed bias
+over whole token sets (training batches `fit` and `test` after the skipped ones, the first
+`eval_batches` of the held-out split, as `launch.evaluate` reads them), for the stored biases
+and for biases solved exactly on `fit`.
 Logic: `zaya_jax.perf.balance_floor`.
 """
 
@@ -17,7 +25,7 @@ from absl import app, flags
 from zaya_jax.checkpoint import find_run_checkpoint
 from zaya_jax.config import ConfigError
 from zaya_jax.logs import quiet_third_party
-from zaya_jax.perf.balance_floor import balance_floor
+from zaya_jax.perf.balance_floor import balance_floor, fixed_bias_floor
 from zaya_jax.train.evaluate import run_config_of
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -26,6 +34,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (hol
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
 _BATCHES = flags.DEFINE_integer("batches", 64, "Training batches to route (>= 2).", lower_bound=2)
 _SKIP = flags.DEFINE_integer("skip_batches", 0, "Training batches to skip first.", lower_bound=0)
+_FIT = flags.DEFINE_integer("fit_batches", 0, "Training batches to solve one fixed bias on, for "
+                            "the load-at-evaluation floor; 0 = not measured.", lower_bound=0)
+_TEST = flags.DEFINE_integer("test_batches", 32, "Training batches after the fit ones to route "
+                             "with it.", lower_bound=1)
+_EVAL = flags.DEFINE_integer("eval_batches", 32, "Held-out batches to route with it.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "Write the per-step figures to this JSON file.")
 flags.mark_flags_as_required(["workdir"])
 
@@ -35,7 +48,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     ckpt_dir, step, saved = find_run_checkpoint(_WORKDIR.value, _STEP.value)
-    r = balance_floor(run_config_of(saved), ckpt_dir, step, _BATCHES.value, _SKIP.value)
+    cfg = run_config_of(saved)
+    r = balance_floor(cfg, ckpt_dir, step, _BATCHES.value, _SKIP.value)
+    if _FIT.value:
+      r["fixed_bias"] = fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=_FIT.value,
+                                         test_batches=_TEST.value, eval_batches=_EVAL.value,
+                                         skip_batches=_SKIP.value + _BATCHES.value)
   except (ConfigError, ValueError) as e:
     sys.exit(f"launch.balance_floor: {str(e).splitlines()[0]}")
   print(f"{ckpt_dir}/{step}, {_BATCHES.value} training batches: median worst-layer max/mean "
@@ -43,6 +61,16 @@ def main(argv):
         f"histogram rule {r['median_histogram']:.3f} | stored biases {r['median_stored']:.3f}; "
         f"the rule's update moves {100 * r['median_churn']:.2f}% of a batch's (token, layer) "
         "routings to another class (median)")
+  if _FIT.value:
+    fit_at = _SKIP.value + _BATCHES.value
+    sets = {"fit": f"training batches {fit_at + 1}-{fit_at + _FIT.value}",
+            "test": f"training batches {fit_at + _FIT.value + 1}-{fit_at + _FIT.value + _TEST.value}",
+            "eval": f"the first {_EVAL.value} held-out batches"}
+    print("one fixed bias over whole token sets, per-layer max/mean expert load "
+          "(fit / test / eval: " + "; ".join(f"{k} = {v}" for k, v in sets.items()) + "):")
+    for name, label in (("stored", "stored biases"), ("solved_on_fit", "solved exactly on fit")):
+      for s, loads in r["fixed_bias"][name].items():
+        print(f"  {label:22s} on {s:4s}: " + " ".join(f"{x:.2f}" for x in loads))
   if _OUT.value:
     with open(_OUT.value, "w", encoding="utf-8") as f:
       json.dump(r, f)

@@ -1,8 +1,10 @@
 """Evaluation only (zaya_jax/train/evaluate.py, launch.evaluate): the loss of the training
-loop's final eval record, also from a --drop_optimizer copy and an HF export."""
+loop's final eval record, also from a --drop_optimizer copy and an HF export; the load floors
+of a frozen checkpoint (zaya_jax/perf/balance_floor.py, launch.balance_floor) on the same run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,6 +22,7 @@ from zaya_jax.checkpoint.reshape import reshape
 from zaya_jax.config import ConfigError, resolve
 from zaya_jax.hf import save_pretrained
 from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.perf.balance_floor import balance_floor, fixed_bias_floor
 from zaya_jax.train import run
 from zaya_jax.train.evaluate import evaluate_saved, load_summary, run_config_of
 
@@ -82,3 +85,50 @@ def test_cli(trained, tmp_path):
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines()[-1].startswith("launch.evaluate: --step=99: no such "
                                                         "checkpoint"), proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_fixed_bias_floor_equals_evaluate_and_solves_its_fit_set(trained):
+  workdir, _ = trained
+  ckpt_dir, step, saved = find_run_checkpoint(str(workdir), None)
+  cfg = run_config_of(saved)
+  # Batches of 8 x 32 tokens (the model is the run's): loads fine enough to tell batches apart.
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=8))
+  got = fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=3, test_batches=1, eval_batches=1,
+                         skip_batches=STEPS)
+  # The stored biases on the held-out batches are launch.evaluate's per-layer figure.
+  want = evaluate_saved(cfg, ckpt_dir=ckpt_dir, step=step)["max_over_mean"]
+  np.testing.assert_allclose(got["stored"]["eval"], want, rtol=1e-6)
+  # Solved exactly on fit (3 x 8 x 32 tokens, 4 experts: 192 each), fit is even to a token.
+  assert all(1.0 <= x <= 193 / 192 + 1e-6 for x in got["solved_on_fit"]["fit"]), got
+  assert max(got["stored"]["fit"]) > 1.05, got  # ... which the stored biases are not
+  # The per-step floor from batch STEPS + 2 on (the first batch routed gives no figure) has
+  # "stored" figures for batches STEPS + 3 and + 4: the worst layers of fixed_bias_floor's "test"
+  # batch and of a one-batch fit set after it.
+  per_step = balance_floor(cfg, ckpt_dir, step, num_batches=3, start_batch=STEPS + 2)
+  after = fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=1, test_batches=1, eval_batches=1,
+                           skip_batches=STEPS + 4)
+  assert per_step["stored"] == [pytest.approx(max(got["stored"]["test"]), rel=1e-6),
+                                pytest.approx(max(after["stored"]["fit"]), rel=1e-6)], (
+      per_step, got, after)
+  assert per_step["oracle"][0] >= 1.0 and 0.0 <= per_step["churn"][0] <= 1.0
+  with pytest.raises(ValueError, match="fit_batches=0"):
+    fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=0, test_batches=1, eval_batches=1)
+
+
+@pytest.mark.slow
+def test_balance_floor_cli(trained):
+  workdir, _ = trained
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "launch.balance_floor", f"--workdir={workdir}",
+                         "--batches=2", "--fit_batches=2", "--test_batches=1", "--eval_batches=1"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "oracle (exact solve of the previous batch)" in proc.stdout, proc.stdout
+  assert "solved exactly on fit  on fit : 1.00 1.00" in proc.stdout, proc.stdout
+  proc = subprocess.run([sys.executable, "-m", "launch.balance_floor", f"--workdir={workdir}",
+                         "--step=99"], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1].startswith("launch.balance_floor: --step=99"), \
+      proc.stderr[-2000:]

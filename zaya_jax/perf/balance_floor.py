@@ -16,6 +16,15 @@ max/mean expert load of batch s under
   stored    the checkpoint's stored biases (what evaluation and generation use),
 
 and their medians. Nothing trains; the model is the checkpoint's.
+
+`fixed_bias_floor` asks the same of the load at evaluation, where one fixed bias routes a
+whole held-out set: it routes three token sets with the frozen model (`fit`: training batches
+after the run's own, `test`: the training batches after those, `eval`: the first batches of
+the held-out split, as `launch.evaluate` reads them) under the stored biases and under biases
+solved exactly on `fit`, and gives each pair's per-layer max/mean. The biases solved on `fit`
+are the best one fixed bias learned from training data can do; what they leave on `test` is
+sampling noise between training samples, what they leave on `eval` also the held-out split's
+own mix of content (its documents route differently from the training mix).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from flax import nnx
 
 from zaya_jax.checkpoint import restore_model_state
 from zaya_jax.config import RunConfig
-from zaya_jax.data import make_train_iterator
+from zaya_jax.data import make_eval_batches, make_train_iterator
 from zaya_jax.model.quantile import quantile_biases, route_counts
 from zaya_jax.parallel.context import in_context_order
 from zaya_jax.parallel.mesh import abstract_with_shardings, make_mesh, use_mesh
@@ -40,6 +49,73 @@ from zaya_jax.train.setup import setup_training
 def worst_max_over_mean(counts_LX) -> float:
   """The worst layer's `balance/max_over_mean` of one routing (`load_stats`)."""
   return float(jnp.max(load_stats(counts_LX)["max_over_mean"]))
+
+
+def _frozen_router(cfg: RunConfig, ckpt_dir: str, step: int | None):
+  """(stored biases float32 [L, X], `probs_of(batch) -> (router probs [L, M, X], valid [M])`)
+  of the checkpoint's frozen model; call inside `use_mesh(make_mesh(cfg.mesh))`."""
+  built = setup_training(cfg.model, cfg.train, make_mesh(cfg.mesh), None)
+  target = abstract_with_shardings(built.abstract_state, built.state_sharding).to_items()["model"]
+  params, rest = nnx.split_state(restore_model_state(ckpt_dir, target, step), nnx.Param, ...)
+
+  @jax.jit
+  def probs_of(batch):
+    model = nnx.merge(built.graphdef, params, rest, copy=True)
+    _, aux = model.backbone(batch["inputs"], batch["segment_ids"], batch["positions"])
+    return aux["router_probs"], in_context_order(batch["segment_ids"]).reshape(-1) > 0
+
+  return get_biases(rest), lambda batch: probs_of({k: jnp.asarray(v) for k, v in batch.items()})
+
+
+def max_over_mean_per_layer(counts_LX) -> list[float]:
+  """Per layer: `balance/max_over_mean` of one routing's counts [L, X] (`load_stats`)."""
+  return [float(x) for x in load_stats(counts_LX)["max_over_mean"]]
+
+
+def fixed_bias_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, *, fit_batches: int,
+                     test_batches: int, eval_batches: int, skip_batches: int = 0
+                     ) -> dict[str, dict[str, list[float]]]:
+  """The per-layer load of one fixed bias over whole token sets (module docstring).
+
+  Args:
+    cfg: the run's config (its data, batch and model; `balance.quantile_sweeps` for the solve).
+    ckpt_dir, step: the run's checkpoints directory and step (None: latest).
+    fit_batches, test_batches: training batches (of `train.batch_size` x `train.seq_len`) read
+      after skipping `skip_batches`: the first `fit_batches` are `fit`, the next `test`.
+    eval_batches: the first batches of the held-out split (`launch.evaluate --eval_batches`).
+
+  Returns:
+    {biases: {set: [L] max/mean}} for biases "stored" and "solved_on_fit" and sets "fit",
+    "test", "eval"; "stored" on "eval" is `launch.evaluate`'s per-layer `max_over_mean`.
+
+  Raises:
+    ValueError: a count below 1, or an empty eval split (names data.eval_fraction).
+  """
+  if min(fit_batches, test_batches, eval_batches) < 1:
+    raise ValueError(f"fit_batches={fit_batches}, test_batches={test_batches} and "
+                     f"eval_batches={eval_batches} must each be >= 1")
+  with use_mesh(make_mesh(cfg.mesh)):
+    stored_LX, probs_of = _frozen_router(cfg, ckpt_dir, step)
+
+    def routed(batches):
+      probs, valid = zip(*(probs_of(b) for b in batches))
+      return jnp.concatenate(probs, axis=1), jnp.concatenate(valid)
+
+    it = make_train_iterator(cfg.data, seq_len=cfg.train.seq_len,
+                             batch_size=cfg.train.batch_size, seed=cfg.train.seed)
+    for _ in range(skip_batches):
+      next(it)
+    sets = {"fit": routed([next(it) for _ in range(fit_batches)]),
+            "test": routed([next(it) for _ in range(test_batches)]),
+            "eval": routed(make_eval_batches(cfg.data, seq_len=cfg.train.seq_len,
+                                             batch_size=cfg.train.batch_size,
+                                             max_batches=eval_batches))}
+    fit_probs, fit_valid = sets["fit"]
+    solved_LX = jax.jit(quantile_biases, static_argnums=(3, 4))(
+        fit_probs, fit_valid, stored_LX, cfg.balance.skip_target, cfg.balance.quantile_sweeps)
+    counts = jax.jit(route_counts)
+    return {name: {s: max_over_mean_per_layer(counts(p, v, b)) for s, (p, v) in sets.items()}
+            for name, b in (("stored", stored_LX), ("solved_on_fit", solved_LX))}
 
 
 def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: int,
@@ -59,19 +135,8 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
   """
   if num_batches < 2:
     raise ValueError(f"num_batches={num_batches} must be >= 2")
-  mesh = make_mesh(cfg.mesh)
-  with use_mesh(mesh):
-    built = setup_training(cfg.model, cfg.train, mesh, None)
-    target = abstract_with_shardings(built.abstract_state, built.state_sharding).to_items()["model"]
-    model_state = restore_model_state(ckpt_dir, target, step)
-    params, rest = nnx.split_state(model_state, nnx.Param, ...)
-    stored_LX = get_biases(rest)
-
-    @jax.jit
-    def probs_of(params, rest, batch):
-      model = nnx.merge(built.graphdef, params, rest, copy=True)
-      _, aux = model.backbone(batch["inputs"], batch["segment_ids"], batch["positions"])
-      return aux["router_probs"], in_context_order(batch["segment_ids"]).reshape(-1) > 0
+  with use_mesh(make_mesh(cfg.mesh)):
+    stored_LX, probs_of = _frozen_router(cfg, ckpt_dir, step)
 
     exact = jax.jit(quantile_biases, static_argnums=(3, 4))
     # The config's quantile update (EMA step and integral), as the training step applies it.
@@ -88,7 +153,7 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
     prev = None
     b_hist = stored_LX
     for _ in range(num_batches):
-      probs, valid = probs_of(params, rest, {k: jnp.asarray(v) for k, v in next(it).items()})
+      probs, valid = probs_of(next(it))
       if prev is not None:
         solved = exact(prev[0], prev[1], stored_LX, bal.skip_target, bal.quantile_sweeps)
         out["oracle"].append(worst_max_over_mean(counts(probs, valid, solved)))
