@@ -5,14 +5,17 @@
       --compare_transformers --out=/tmp/bench.json
   python -m launch.benchmark --config=configs/zaya1_tiny.py \
       --compare_balance=quantile:next,quantile:current,adamw,none   # step-time ratios
+  python -m launch.benchmark --config=configs/bench_cpu.py --profile_steps=2   # op time by source
 
 Batches are synthetic token ids (no data or tokenizer is read); batch and sequence length
 default to the config's train.batch_size and train.seq_len (override with
 --config.train.batch_size=...). On CPU the MFU divides by a float32 matmul timed in the same
 run; on a GPU by the detected profile's peak. `--compare_transformers` also times
 transformers' ZayaForCausalLM forward + backward + AdamW on the same config and batch, with
-torch.set_num_threads equal to the cores XLA:CPU uses, and prints the tokens/s ratio. All
-logic lives in `zaya_jax.perf.benchmark`.
+torch.set_num_threads equal to the cores XLA:CPU uses, and prints the tokens/s ratio.
+`--profile_steps=N` profiles N more steps and prints the op time per step by source function
+(the innermost zaya_jax frame of each HLO op) and the top ops (`zaya_jax.perf.op_profile`).
+All logic lives in `zaya_jax.perf.benchmark`.
 """
 
 import json
@@ -23,6 +26,7 @@ from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError
 from zaya_jax.perf import benchmark
+from zaya_jax.perf.op_profile import format_profile
 from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
@@ -40,6 +44,8 @@ _MATMUL = flags.DEFINE_integer("matmul_size", 2048, "n of the CPU peak matmul [n
 _BALANCE = flags.DEFINE_list(
     "compare_balance", None, "Instead: time the step under these balancing variants in one "
     "process (none, pid, sign, adamw, quantile:current, quantile:next), ratios to the first.")
+_PROFILE = flags.DEFINE_integer("profile_steps", 0, "Also profile this many steps: op time by "
+                                "source function and the top ops.", lower_bound=0)
 _OUT = flags.DEFINE_string("out", None, "Write the figures to this JSON file.")
 flags.mark_flags_as_required(["config"])
 
@@ -62,10 +68,12 @@ def main(argv):
   try:
     result = benchmark.run(cfgs, steps=_STEPS.value, warmup=_WARMUP.value,
                            compare=_COMPARE.value, matmul_size=_MATMUL.value,
-                           log=lambda line: print(line, flush=True))
+                           profile_steps=_PROFILE.value, log=lambda line: print(line, flush=True))
   except ValueError as e:
     sys.exit(f"invalid arguments: {e}")
   print(benchmark.format_report(result), flush=True)
+  if "profile" in result:
+    print(format_profile(result["profile"]), flush=True)
   if _OUT.value:
     with open(_OUT.value, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=1)

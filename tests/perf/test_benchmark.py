@@ -45,7 +45,7 @@ def test_cli_with_compare_transformers(tmp_path):
   """The one end-to-end CLI run of launch.benchmark (issue 24: the plain smoke run and this
   one were two subprocesses; this one checks everything the plain run printed and wrote)."""
   out = tmp_path / "bench.json"
-  proc = run_cli(*TINY, "--compare_transformers", f"--out={out}")
+  proc = run_cli(*TINY, "--compare_transformers", "--profile_steps=1", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())
   check_figures(r)
@@ -58,6 +58,12 @@ def test_cli_with_compare_transformers(tmp_path):
   assert math.isclose(r["hf_tokens_per_s"] * r["hf_step_s"], r["tokens_per_step"], rel_tol=1e-9)
   assert math.isclose(r["ratio"], r["tokens_per_s"] / r["hf_tokens_per_s"], rel_tol=1e-9)
   assert math.isclose(r["hf_mfu"], r["mfu"] / r["ratio"], rel_tol=1e-9)
+  # The profile of one more step: the LM head + loss and the experts are among its sources.
+  sources = {src: share for src, _, share in r["profile"]["by_source"]}
+  assert any(s.startswith("ops/cross_entropy.py:") for s in sources), sources
+  assert any(s.startswith("ops/grouped_matmul.py:") for s in sources), sources
+  assert sum(sources.values()) == pytest.approx(1.0)
+  assert "by source (innermost zaya_jax frame)" in proc.stdout, proc.stdout
   assert "speed-up vs transformers:" in proc.stdout
   # Without the comparison the report has no transformers lines (same figures, HF keys gone).
   plain = benchmark.format_report({k: v for k, v in r.items() if not k.startswith("hf_")

@@ -42,6 +42,7 @@ import ml_collections
 from zaya_jax.config import BalanceConfig, TrainConfig, synthetic_configs
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.mesh import MeshConfig, check_divisibility, make_mesh, use_mesh
+from zaya_jax.perf.op_profile import op_profile
 from zaya_jax.perf.synthetic import synthetic_batch
 from pallas_kernels import timing
 from zaya_jax.parallel import accelerators
@@ -93,7 +94,8 @@ def time_steps(step: Callable, state: Any, batch: Any, steps: int,
 
 
 def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, warmup: int,
-              matmul_size: int = 2048, log: Callable[[str], None] = print) -> dict[str, Any]:
+              matmul_size: int = 2048, profile_steps: int = 0,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
   """Times the training step of `cfgs` and derives throughput, MFU and memory.
 
   Args:
@@ -103,6 +105,8 @@ def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, 
     steps: timed steps (>= 1).
     warmup: untimed steps before them (>= 1: the first call compiles).
     matmul_size: n of the CPU peak matmul `[n, n] @ [n, n]`.
+    profile_steps: after the timed steps, this many more under the profiler
+      (`zaya_jax.perf.op_profile`: op time per source function); 0 = none.
     log: progress lines.
 
   Returns:
@@ -110,7 +114,8 @@ def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, 
     `tokens_per_step`, `steps`, `warmup`, `compile_s` (first step, seconds, compile included),
     `step_s` (median, seconds), `step_s_min`, `step_s_max`, `tokens_per_s`, `flops_per_token`
     (FLOP), `achieved_flops` (FLOP/s), `peak_flops` (FLOP/s), `peak_source`, `mfu` (fraction),
-    `peak_memory_bytes` (bytes), `memory_source`, `loss` (float32 loss of the last step).
+    `peak_memory_bytes` (bytes), `memory_source`, `loss` (float32 loss of the last timed
+    step); with `profile_steps`, `profile` (`op_profile`'s result).
 
   Raises:
     ValueError: for `steps` < 1 or `warmup` < 1, or a mesh that does not divide the config.
@@ -130,7 +135,12 @@ def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, 
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - start
-    times, _ = time_steps(step, state, batch, steps, warmup - 1)
+    times, state = time_steps(step, state, batch, steps, warmup - 1)
+    op_times = None
+    if profile_steps:
+      log(f"profiling {profile_steps} step(s) ...")
+      op_times = op_profile(step, (state, batch), steps=profile_steps,
+                           feed=lambda out, args: (out[0], args[1]))
     state = None  # donated above; free nothing else
   step_s = statistics.median(times)
   tokens = batch_size * seq_len
@@ -154,6 +164,8 @@ def benchmark(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int, 
     result["peak_source"] = f"{profile.name} {cfgs.model.dtype} dense peak (profile)"
   result["mfu"] = result["achieved_flops"] / result["peak_flops"]
   result["loss"] = float(metrics["loss"])
+  if op_times is not None:
+    result["profile"] = op_times
   return result
 
 
@@ -206,7 +218,8 @@ def compare_transformers(model_cfg: ModelConfig, *, batch_size: int, seq_len: in
 
 
 def run(cfgs: BenchConfigs, *, steps: int, warmup: int, compare: bool = False,
-        matmul_size: int = 2048, log: Callable[[str], None] = print) -> dict[str, Any]:
+        matmul_size: int = 2048, profile_steps: int = 0,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
   """`benchmark` at the config's batch (train.batch_size x train.seq_len) and, with `compare`,
   `compare_transformers` in the same process, adding `hf_*` figures, `hf_mfu` (the
   reference's MFU by the same FLOP count and peak) and `ratio` (our tokens/s over the
@@ -217,7 +230,7 @@ def run(cfgs: BenchConfigs, *, steps: int, warmup: int, compare: bool = False,
   """
   batch, seq = cfgs.train.batch_size, cfgs.train.seq_len
   result = benchmark(cfgs, batch_size=batch, seq_len=seq, steps=steps, warmup=warmup,
-                     matmul_size=matmul_size, log=log)
+                     matmul_size=matmul_size, profile_steps=profile_steps, log=log)
   if compare:
     result.update(compare_transformers(cfgs.model, batch_size=batch, seq_len=seq, steps=steps,
                                        warmup=warmup, threads=result["threads"],
