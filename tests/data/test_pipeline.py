@@ -9,6 +9,7 @@ row boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from absl import flags
@@ -222,8 +223,8 @@ def test_train_iterator_is_deterministic_per_seed(tmp_path):
 
 def test_train_eval_split_is_disjoint_and_stable(tmp_path):
   texts = _write_jsonl_corpus(tmp_path / "a.jsonl", 300)
-  cfg = data.DataConfig(source=str(tmp_path / "a.jsonl"), eval_fraction=0.2,
-                        shuffle_rows=False)  # documents are re-joined across rows below
+  cfg = data.DataConfig(source=str(tmp_path / "a.jsonl"), eval_fraction=0.2, shuffle_rows=False,
+                        shuffle_eval=False)  # documents are re-joined across rows below
   refs = sources.list_documents(cfg)
   assert [r.doc_id for r in refs[:2]] == [f"{tmp_path}/a.jsonl:1", f"{tmp_path}/a.jsonl:2"]
   train, held_out = sources.split_documents(refs, 0.2)
@@ -255,7 +256,8 @@ def test_a_corpus_listed_once_is_read_as_listed(tmp_path):
 
   path = tmp_path / "a.jsonl"
   texts = _write_jsonl_corpus(path, 300)
-  cfg = data.DataConfig(source=str(path), eval_fraction=0.2, shuffle_rows=False)
+  cfg = data.DataConfig(source=str(path), eval_fraction=0.2, shuffle_rows=False,
+                        shuffle_eval=False)
   refs = sources.list_documents(cfg)
   train, held_out = sources.split_documents(refs, 0.2)
   summary = console.data_summary(cfg, 1000)
@@ -286,6 +288,30 @@ def test_eval_batches_are_deterministic_and_padded(tmp_path):
   assert last["loss_mask"].sum() < last["loss_mask"].size  # padded
   assert last["loss_mask"][-1].sum() == 0 or last["loss_mask"][:, -1].sum() < 8
   assert len(data.make_eval_batches(cfg, seq_len=32, batch_size=8, max_batches=2)) == 2
+
+
+def test_eval_sample_is_the_split_in_a_seeded_order(tmp_path):
+  """data.shuffle_eval: the eval batches hold the same rows as the split in id order, in a
+  permutation of each data.shuffle_window rows that depends on data.shuffle_seed only."""
+  _write_jsonl_corpus(tmp_path / "a.jsonl", 400)
+  cfg = data.DataConfig(source=str(tmp_path / "a.jsonl"), eval_fraction=0.2)
+  kw = dict(seq_len=32, batch_size=4, max_batches=1000)
+
+  def rows(batches):
+    return [(b["inputs"][i].tobytes(), b["targets"][i].tobytes(), b["segment_ids"][i].tobytes())
+            for b in batches for i in range(b["inputs"].shape[0]) if b["loss_mask"][i].any()]
+
+  ordered = rows(data.make_eval_batches(dataclasses.replace(cfg, shuffle_eval=False), **kw))
+  sample = rows(data.make_eval_batches(cfg, **kw))
+  assert len(ordered) > 20 and sorted(sample) == sorted(ordered) and sample != ordered
+  assert rows(data.make_eval_batches(cfg, **kw)) == sample
+  assert rows(data.make_eval_batches(dataclasses.replace(cfg, shuffle_seed=1), **kw)) != sample
+  two = rows(data.make_eval_batches(cfg, seq_len=32, batch_size=4, max_batches=2))
+  assert two == sample[:8]  # a prefix of the same sample
+  windowed = rows(data.make_eval_batches(dataclasses.replace(cfg, shuffle_window=5), **kw))
+  assert sorted(windowed[:5]) == sorted(ordered[:5]) and windowed[:5] != ordered[:5]
+  # The first two batches already reach into the second half of the split.
+  assert max(ordered.index(r) for r in sample[:8]) > len(ordered) // 2
 
 
 def test_processes_read_disjoint_documents(tmp_path):

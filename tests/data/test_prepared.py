@@ -35,7 +35,8 @@ def corpus(tmp_path_factory):
 
 
 def _cfg(directory, **kw):
-  return data.DataConfig(source=directory, eval_fraction=0.1, shuffle_seed=5, **kw)
+  kw.setdefault("shuffle_seed", 5)
+  return data.DataConfig(source=directory, eval_fraction=0.1, **kw)
 
 
 def _iters(directory, processes=P, rows=b, **kw):
@@ -181,19 +182,43 @@ def test_eval_split_disjoint_and_process_independent(corpus):
   # The split is the per-document hash of the global id (unchanged from the first index).
   np.testing.assert_array_equal(eval_ids, np.flatnonzero(
       prepared.eval_scores(np.arange(len(docs))) < 0.1))
-  cfg = _cfg(directory)
-  one = data.make_eval_batches(cfg, seq_len=T, batch_size=P * b, max_batches=50)
-  two = [data.make_eval_batches(cfg, seq_len=T, batch_size=b, max_batches=50, process_index=p,
-                                process_count=P) for p in range(P)]
-  assert len(one) == len(two[0]) == len(two[1])
   pairs = sum(docs[d].size - 1 for d in eval_ids)
-  assert len(one) == -(-pairs // (P * b * T))
-  for k in KEYS:
-    np.testing.assert_array_equal(np.concatenate([x[k] for x in one]),
-                                  np.concatenate([y[k] for pair in zip(*two) for y in pair]))
-  tokens = np.concatenate([x["inputs"][x["loss_mask"] > 0] for x in one])
-  np.testing.assert_array_equal(tokens, np.concatenate([docs[d][:-1] for d in eval_ids]))
-  assert one[-1]["loss_mask"].sum() == pairs - (len(one) - 1) * P * b * T  # padded last batch
+  ordered = None
+  for shuffled in (False, True):
+    cfg = _cfg(directory, shuffle_eval=shuffled)
+    one = data.make_eval_batches(cfg, seq_len=T, batch_size=P * b, max_batches=50)
+    two = [data.make_eval_batches(cfg, seq_len=T, batch_size=b, max_batches=50,
+                                  process_index=p, process_count=P) for p in range(P)]
+    assert len(one) == len(two[0]) == len(two[1])
+    assert len(one) == -(-pairs // (P * b * T))
+    for k in KEYS:
+      np.testing.assert_array_equal(np.concatenate([x[k] for x in one]),
+                                    np.concatenate([y[k] for pair in zip(*two) for y in pair]))
+    rows = [(x["inputs"][i], x["loss_mask"][i]) for x in one for i in range(P * b)]
+    assert sum(int(m.sum()) for _, m in rows) == pairs
+    real = -(-pairs // T)  # rows holding tokens; the rest, at the end, are padding rows
+    assert all(m.sum() > 0 for _, m in rows[:real]) and all(m.sum() == 0 for _, m in rows[real:])
+    if not shuffled:  # the split's documents in id order, the last batch padded
+      tokens = np.concatenate([x["inputs"][x["loss_mask"] > 0] for x in one])
+      np.testing.assert_array_equal(tokens, np.concatenate([docs[d][:-1] for d in eval_ids]))
+      assert one[-1]["loss_mask"].sum() == pairs - (len(one) - 1) * P * b * T
+      ordered = [r.tobytes() for r, m in rows if m.sum()]
+      continue
+    # data.shuffle_eval: the same rows in another order, a function of data.shuffle_seed
+    # alone; the window permutes within itself (window 3: the first three rows stay first).
+    got = [r.tobytes() for r, m in rows if m.sum()]
+    assert sorted(got) == sorted(ordered) and got != ordered
+    again = data.make_eval_batches(cfg, seq_len=T, batch_size=P * b, max_batches=50)
+    np.testing.assert_array_equal(again[0]["inputs"], one[0]["inputs"])
+    other = data.make_eval_batches(_cfg(directory, shuffle_eval=True, shuffle_seed=6),
+                                   seq_len=T, batch_size=P * b, max_batches=50)
+    assert not np.array_equal(other[0]["inputs"], one[0]["inputs"])
+    small = data.make_eval_batches(_cfg(directory, shuffle_window=3), seq_len=T, batch_size=1,
+                                   max_batches=len(ordered))
+    got3 = [x["inputs"][0].tobytes() for x in small]
+    assert sorted(got3[:3]) == sorted(ordered[:3]) and sorted(got3) == sorted(ordered)
+    first = data.make_eval_batches(cfg, seq_len=T, batch_size=P * b, max_batches=1)
+    np.testing.assert_array_equal(first[0]["inputs"], one[0]["inputs"])  # a prefix of the sample
 
 
 @pytest.mark.slow

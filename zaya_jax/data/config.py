@@ -39,6 +39,12 @@ class DataConfig:
   # (shuffle_window * seq_len * 16 bytes per process); prepared corpora store nothing.
   shuffle_rows: bool = True
   shuffle_window: int = 10_000  # rows per row-shuffle window (>= 1)
+  # Eval sample: the eval batches are the held-out split's rows in a seeded random order
+  # (each window of `shuffle_window` rows permuted, the seed from `shuffle_seed` alone, not
+  # the train seed), so N eval batches are a sample of the whole split rather than its
+  # first few documents, and runs of any train seed are evaluated on the same batches.
+  # False = the held-out rows in document-id order (the eval sets before 2026-12-04).
+  shuffle_eval: bool = True
   num_workers: int = 0  # grain worker processes; 0 = read and tokenize in-process
   add_bos: bool = True  # prepend the tokenizer's bos_id to every document
   add_eos: bool = True  # append the tokenizer's eos_id to every document
@@ -94,6 +100,8 @@ class DataConfig:
                        "'drop'.")
     if not isinstance(self.shuffle_rows, bool):
       raise ValueError(f"data.shuffle_rows={self.shuffle_rows!r} must be True or False.")
+    if not isinstance(self.shuffle_eval, bool):
+      raise ValueError(f"data.shuffle_eval={self.shuffle_eval!r} must be True or False.")
     if isinstance(self.shuffle_window, bool) or not isinstance(
         self.shuffle_window, int) or self.shuffle_window < 1:
       raise ValueError(f"data.shuffle_window={self.shuffle_window!r} must be an integer >= 1 "

@@ -360,14 +360,18 @@ def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches:
                              process_count: int = 1,
                              corpora: list[tuple[Any, float]] | None = None
                              ) -> list[dict[str, np.ndarray]]:
-  """The first `max_batches` global batches of the held-out documents, this process's slice.
+  """The first `max_batches` global batches of the held-out rows, this process's slice.
 
   `corpora`: the opened sources of `cfg` (a training iterator's `corpora`), so that they are
   not opened (lengths read, eval split hashed, shards checked) a second time; default: open.
 
   Per source, the eval documents in id order, concat-packed; a mixture's sources follow one
-  another. The batches are global (B = batch_size * process_count rows), so their count and
-  the eval loss do not depend on the process count; the last one is padded with empty rows.
+  another. With data.shuffle_eval (default) that row stream is then permuted in windows of
+  data.shuffle_window rows (`row_shuffle.shuffle_windows`, seeded by data.shuffle_seed
+  alone), so the batches are a random sample of the split; the short last row of a source
+  may then sit in any batch. The batches are global (B = batch_size * process_count rows),
+  so their count and the eval loss do not depend on the process count; the last one is
+  padded with empty rows.
 
   Raises:
     ValueError: naming data.eval_fraction if no source holds out a document.
@@ -378,8 +382,12 @@ def make_global_eval_batches(cfg, *, seq_len: int, batch_size: int, max_batches:
   corpora = [c for c, _ in (corpora or prepared.open_sources(cfg))]
   global_b = batch_size * process_count
   limit = max_batches * global_b  # rows needed at most: no shard past them is read
-  rows = list(itertools.islice(((i, pieces) for i, c in enumerate(corpora)
-                                for pieces in global_index.eval_rows(c, seq_len)), limit))
+  rows = ((i, pieces) for i, c in enumerate(corpora)
+          for pieces in global_index.eval_rows(c, seq_len))
+  if cfg.shuffle_eval:
+    rows = row_shuffle.shuffle_windows(rows, cfg.shuffle_window,
+                                       row_shuffle.eval_seed(cfg.shuffle_seed))
+  rows = list(itertools.islice(rows, limit))
   if not rows:
     raise ValueError(f"data.eval_fraction={cfg.eval_fraction} held out no document of "
                      f"{[c.directory for c in corpora]} ({sum(len(c) for c in corpora)} "

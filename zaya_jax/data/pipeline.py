@@ -385,7 +385,13 @@ def make_eval_batches(
     corpora: list | None = None,
     documents: list[sources.DocumentRef] | None = None,
 ) -> list[dict[str, np.ndarray]]:
-  """The first `max_batches` batches of the held-out split, unshuffled, read in-process.
+  """The first `max_batches` batches of the held-out split, read in-process.
+
+  With data.shuffle_eval (default) the split's packed rows come in a seeded random order,
+  each window of data.shuffle_window rows permuted (seeded by data.shuffle_seed alone, not
+  the train seed), so the batches are a sample of the whole split, not its first documents:
+  raw text then tokenizes up to one window of held-out rows (or the whole split) before the
+  first batch. Without it, the rows in document-id order.
 
   The last batch is padded to B rows with rows of padding (loss_mask 0). Fewer than
   `max_batches` batches come back if this process's eval documents run out; with several
@@ -414,9 +420,11 @@ def make_eval_batches(
                             process_count=process_count, documents=documents)
   documents = grain.MapDataset.source(sources.DocumentSource(refs, cfg.text_field))
   batches = []
+  window = cfg.shuffle_window if cfg.shuffle_eval else 0
   for batch in _packed_batches(
       _tokens(documents, tokenizer, cfg), tokenizer, seq_len=seq_len, batch_size=batch_size,
-      drop_remainder=False,
+      drop_remainder=False, shuffle_window=window,
+      shuffle_seed=row_shuffle.eval_seed(cfg.shuffle_seed),
   ):
     batches.append(_pad_rows(batch, batch_size, tokenizer.pad_id))
     if len(batches) == max_batches:

@@ -32,6 +32,8 @@ of host memory per process).
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from grain.experimental import index_shuffle
@@ -44,6 +46,36 @@ _KEPT = 8  # small windows' permutations kept (a thread-safe LRU cache, shared b
 def window_seed(seeds: tuple[int, ...]) -> int:
   """uint32 base seed of the windows' permutations, from (data.shuffle_seed, train.seed)."""
   return int(np.random.SeedSequence([*seeds, 0x5EED]).generate_state(1)[0])
+
+
+_EVAL_TAG = 0xE7A1  # separates the eval sample's seed from the training windows' seeds
+
+
+def eval_seed(shuffle_seed: int) -> int:
+  """uint32 seed of the eval sample's window permutations, from data.shuffle_seed alone (not
+  the train seed: runs of any seed are evaluated on the same batches)."""
+  return window_seed((int(shuffle_seed), _EVAL_TAG))
+
+
+def shuffle_windows(rows: Iterable, window: int, seed: int) -> Iterator:
+  """A finite row stream with each window of `window` consecutive rows (the last one
+  possibly shorter) in the order of a permutation drawn from `seed` + window number (numpy
+  `default_rng`); the eval sample of prepared corpora. Reads the stream one window ahead.
+
+  Raises:
+    ValueError: if `window` < 1.
+  """
+  if window < 1:
+    raise ValueError(f"data.shuffle_window={window} must be >= 1 (rows per window).")
+  it = iter(rows)
+  for w in itertools.count():
+    block = list(itertools.islice(it, window))
+    if not block:
+      return
+    order = np.random.default_rng((seed + w) & 0xFFFFFFFF).permutation(len(block))
+    yield from (block[i] for i in order)
+    if len(block) < window:
+      return
 
 
 def shuffled_row(r: int, window: int, base_seed: int) -> int:
