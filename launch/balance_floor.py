@@ -13,7 +13,9 @@ and the share of routings the rule's update moves to another class per batch (ch
 also gives the floor of the load at evaluation: per layer, the max/mean of one fixed bias
 over whole token sets (training batches `fit` and `test` after the skipped ones, the first
 `eval_batches` of the held-out split, as `launch.evaluate` reads them), for the stored biases
-and for biases solved exactly on `fit`.
+and for biases solved exactly on `fit`, and how close the eval routing is to ties (the router's
+top probability, the best-minus-second biased score gap, the biases' spread, the share of
+tokens whose gap is below one update of the rule).
 Logic: `zaya_jax.perf.balance_floor`.
 """
 
@@ -53,7 +55,8 @@ def main(argv):
     if _FIT.value:
       r["fixed_bias"] = fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=_FIT.value,
                                          test_batches=_TEST.value, eval_batches=_EVAL.value,
-                                         skip_batches=_SKIP.value + _BATCHES.value)
+                                         skip_batches=_SKIP.value + _BATCHES.value,
+                                         bias_step_L=r["bias_step"])
   except (ConfigError, ValueError) as e:
     sys.exit(f"launch.balance_floor: {str(e).splitlines()[0]}")
   print(f"{ckpt_dir}/{step}, {_BATCHES.value} training batches: median worst-layer max/mean "
@@ -71,6 +74,16 @@ def main(argv):
     for name, label in (("stored", "stored biases"), ("solved_on_fit", "solved exactly on fit")):
       for s, loads in r["fixed_bias"][name].items():
         print(f"  {label:22s} on {s:4s}: " + " ".join(f"{x:.2f}" for x in loads))
+    m = r["fixed_bias"]["margins"]
+    print("how close the eval routing is to ties, per layer (stored biases):")
+    for key, label, fmt in (("top_prob_median", "median top router probability", ".3f"),
+                            ("gap_median", "median best - second-best biased score", ".4f"),
+                            ("bias_spread", "std of the experts' biases", ".3f")):
+      print(f"  {label:40s}: " + " ".join(f"{x:{fmt}}" for x in m[key]))
+    print(f"  {'median |bias change| of one update':40s}: "
+          + " ".join(f"{x:.4f}" for x in r["bias_step"]))
+    print(f"  {'tokens whose gap is below that change':40s}: "
+          + " ".join(f"{100 * x:.0f}%" for x in m["below_step_share"]))
   if _OUT.value:
     with open(_OUT.value, "w", encoding="utf-8") as f:
       json.dump(r, f)

@@ -22,7 +22,7 @@ from zaya_jax.checkpoint.reshape import reshape
 from zaya_jax.config import ConfigError, resolve
 from zaya_jax.hf import save_pretrained
 from zaya_jax.model import ZayaForCausalLM
-from zaya_jax.perf.balance_floor import balance_floor, fixed_bias_floor
+from zaya_jax.perf.balance_floor import balance_floor, fixed_bias_floor, routing_margins
 from zaya_jax.train import run
 from zaya_jax.train.evaluate import evaluate_saved, load_summary, run_config_of
 
@@ -112,8 +112,25 @@ def test_fixed_bias_floor_equals_evaluate_and_solves_its_fit_set(trained):
                                 pytest.approx(max(after["stored"]["fit"]), rel=1e-6)], (
       per_step, got, after)
   assert per_step["oracle"][0] >= 1.0 and 0.0 <= per_step["churn"][0] <= 1.0
+  assert len(per_step["bias_step"]) == len(got["margins"]["gap_median"]) > 0
+  assert all(x > 0 for x in per_step["bias_step"]), per_step["bias_step"]  # the rule moved them
   with pytest.raises(ValueError, match="fit_batches=0"):
     fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=0, test_batches=1, eval_batches=1)
+
+
+def test_routing_margins_by_hand():
+  """Two layers, 3 tokens (the last one padding), 2 experts + skip: the gaps of p + b."""
+  probs = np.array([[[0.5, 0.3, 0.2], [0.4, 0.45, 0.15], [0.9, 0.05, 0.05]],
+                    [[0.2, 0.7, 0.1], [0.34, 0.33, 0.33], [0.1, 0.1, 0.8]]], np.float32)
+  biases = np.array([[0.0, 0.1, -1.0], [0.05, -0.05, -1.0]], np.float32)
+  got = routing_margins(probs, np.array([True, True, False]), biases, [0.05, 0.2])
+  # layer 0: scores (0.5, 0.4) -> gap 0.1, (0.4, 0.55) -> 0.15; layer 1: (0.25, 0.65) -> 0.4,
+  # (0.39, 0.28) -> 0.11. Medians of two values are their means.
+  np.testing.assert_allclose(got["gap_median"], [0.125, 0.255], atol=1e-6)
+  np.testing.assert_allclose(got["top_prob_median"], [0.475, 0.52], atol=1e-6)
+  np.testing.assert_allclose(got["bias_spread"], [0.05, 0.05], atol=1e-6)
+  assert got["below_step_share"] == [0.0, 0.5]  # layer 1: 0.11 < 0.2, 0.4 is not
+  assert "below_step_share" not in routing_margins(probs, np.ones(3, bool), biases)
 
 
 @pytest.mark.slow
@@ -126,6 +143,7 @@ def test_balance_floor_cli(trained):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "oracle (exact solve of the previous batch)" in proc.stdout, proc.stdout
   assert "solved exactly on fit  on fit : 1.00 1.00" in proc.stdout, proc.stdout
+  assert "tokens whose gap is below that change" in proc.stdout, proc.stdout
   proc = subprocess.run([sys.executable, "-m", "launch.balance_floor", f"--workdir={workdir}",
                          "--step=99"], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=300)

@@ -25,6 +25,11 @@ solved exactly on `fit`, and gives each pair's per-layer max/mean. The biases so
 are the best one fixed bias learned from training data can do; what they leave on `test` is
 sampling noise between training samples, what they leave on `eval` also the held-out split's
 own mix of content (its documents route differently from the training mix).
+
+`routing_margins` says how much of that routing the biases decide: per layer, how peaked the
+router is, the gap between a token's best and second-best biased score, the biases' spread
+over experts and the share of tokens whose gap is below one typical update of the rule
+(`balance_floor`'s "bias_step"): a token that close to a tie moves with each update.
 """
 
 from __future__ import annotations
@@ -72,9 +77,39 @@ def max_over_mean_per_layer(counts_LX) -> list[float]:
   return [float(x) for x in load_stats(counts_LX)["max_over_mean"]]
 
 
+def routing_margins(probs_LMX, valid_M, biases_LX, bias_step_L=None) -> dict[str, list[float]]:
+  """How close the routing `argmax(p + b)` is to ties, per layer (module docstring).
+
+  Args:
+    probs_LMX: float32 [L, M, X] router probabilities (X = E experts + the skip class, last).
+    valid_M: bool [M], the tokens counted (padding False).
+    biases_LX: float32 [L, X], the balancing biases (probability units).
+    bias_step_L: optional [L], a typical |bias change| of one update (`balance_floor`'s
+      "bias_step"); None leaves "below_step_share" out.
+
+  Returns:
+    {"top_prob_median": [L] median of max_x p (1/X = uniform), "gap_median": [L] median of
+     the best minus the second-best p + b, "bias_spread": [L] standard deviation of the E
+     experts' biases, and with bias_step_L "below_step_share": [L] the fraction of valid
+     tokens whose gap is below bias_step_L}, medians over the valid tokens.
+  """
+  valid = jnp.asarray(valid_M, bool)
+  probs = jnp.asarray(probs_LMX, jnp.float32)
+  top2 = jax.lax.top_k(probs + jnp.asarray(biases_LX, jnp.float32)[:, None, :], 2)[0]
+  gap_LM = top2[..., 0] - top2[..., 1]
+  median = lambda v_LM: [float(jnp.median(v[valid])) for v in v_LM]
+  out = {"top_prob_median": median(jnp.max(probs, axis=-1)), "gap_median": median(gap_LM),
+         "bias_spread": [float(x) for x in jnp.std(jnp.asarray(biases_LX)[:, :-1], axis=-1)]}
+  if bias_step_L is not None:
+    below = gap_LM < jnp.asarray(bias_step_L, jnp.float32)[:, None]
+    out["below_step_share"] = [float(jnp.sum(b & valid) / jnp.maximum(jnp.sum(valid), 1))
+                               for b in below]
+  return out
+
+
 def fixed_bias_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, *, fit_batches: int,
-                     test_batches: int, eval_batches: int, skip_batches: int = 0
-                     ) -> dict[str, dict[str, list[float]]]:
+                     test_batches: int, eval_batches: int, skip_batches: int = 0,
+                     bias_step_L=None) -> dict[str, Any]:
   """The per-layer load of one fixed bias over whole token sets (module docstring).
 
   Args:
@@ -83,10 +118,12 @@ def fixed_bias_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, *, fit_bat
     fit_batches, test_batches: training batches (of `train.batch_size` x `train.seq_len`) read
       after skipping `skip_batches`: the first `fit_batches` are `fit`, the next `test`.
     eval_batches: the first batches of the held-out split (`launch.evaluate --eval_batches`).
+    bias_step_L: optional [L] typical update size, for `routing_margins`.
 
   Returns:
     {biases: {set: [L] max/mean}} for biases "stored" and "solved_on_fit" and sets "fit",
-    "test", "eval"; "stored" on "eval" is `launch.evaluate`'s per-layer `max_over_mean`.
+    "test", "eval"; "stored" on "eval" is `launch.evaluate`'s per-layer `max_over_mean`; and
+    "margins": `routing_margins` of the eval set under the stored biases.
 
   Raises:
     ValueError: a count below 1, or an empty eval split (names data.eval_fraction).
@@ -114,8 +151,11 @@ def fixed_bias_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, *, fit_bat
     solved_LX = jax.jit(quantile_biases, static_argnums=(3, 4))(
         fit_probs, fit_valid, stored_LX, cfg.balance.skip_target, cfg.balance.quantile_sweeps)
     counts = jax.jit(route_counts)
-    return {name: {s: max_over_mean_per_layer(counts(p, v, b)) for s, (p, v) in sets.items()}
-            for name, b in (("stored", stored_LX), ("solved_on_fit", solved_LX))}
+    out: dict[str, Any] = {
+        name: {s: max_over_mean_per_layer(counts(p, v, b)) for s, (p, v) in sets.items()}
+        for name, b in (("stored", stored_LX), ("solved_on_fit", solved_LX))}
+    out["margins"] = routing_margins(*sets["eval"], stored_LX, bias_step_L)
+    return out
 
 
 def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: int,
@@ -131,7 +171,8 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
   Returns:
     {"oracle": [S-1], "histogram": [S-1], "stored": [S-1], and "median_<name>" of each;
     "churn" [S] and "median_churn": per batch, the fraction of its (token, layer) pairs that
-    the histogram rule's update after it moves to another class, the model fixed}.
+    the histogram rule's update after it moves to another class, the model fixed;
+    "bias_step": [L], per layer the median |change| of an expert's bias in those updates}.
   """
   if num_batches < 2:
     raise ValueError(f"num_batches={num_batches} must be >= 2")
@@ -150,6 +191,7 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
     bal = cfg.balance
     out: dict[str, list[float]] = {"oracle": [], "histogram": [], "stored": []}
     churn: list[float] = []
+    steps_SLE = []
     prev = None
     b_hist = stored_LX
     for _ in range(num_batches):
@@ -162,9 +204,12 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
       b_next, controller = rule(b_hist, controller, probs, valid)
       # Tokens of this batch that the rule's next biases send to another class (model fixed).
       churn.append(float(_moved_fraction(probs, valid, b_hist, b_next)))
+      steps_SLE.append(jnp.abs(b_next - b_hist)[:, :-1])
       b_hist, prev = b_next, (probs, valid)
+  steps_LN = jnp.stack(steps_SLE, axis=1).reshape(stored_LX.shape[0], -1)
   return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()},
-          "churn": churn, "median_churn": statistics.median(churn)}
+          "churn": churn, "median_churn": statistics.median(churn),
+          "bias_step": [float(x) for x in jnp.median(steps_LN, axis=-1)]}
 
 
 @jax.jit
