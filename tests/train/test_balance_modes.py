@@ -388,14 +388,15 @@ def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(mode):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("default_xla_optimizations")  # 120 steps: -O2 runs a step 2.5x faster
+@pytest.mark.usefixtures("default_xla_optimizations")  # 100 steps: -O2 runs a step 2.5x faster
 def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   """zaya1_tiny with `train.warmup_steps=1` (the setting that put every layer's tokens on
-  one expert by step 10 under the old PID controller): by step 120 the default (causal)
+  one expert by step 10 under the old PID controller): by step 100 the default (causal)
   balancing (`quantile`, EMA 0.5, `quantile_integral=0.15`, `train.router_lr_scale=0.1`)
-  holds the normalised entropy of every layer's load summed over the 16 steps 105-120 (32K
-  tokens) >= 0.95, on the 200-step schedule stopped at step 120 (issue 22 asks it by step
-  200; stopping at 120 keeps the suite shorter, issue 24).
+  holds the normalised entropy of every layer's load summed over the 16 steps 85-100 (32K
+  tokens) >= 0.95, on the 200-step schedule stopped at step 100 (issue 22 asks it by step
+  200; stopping at 100 keeps the suite shorter, issue 24: 120 -> 100 steps on 2026-12-04,
+  checked then to fail at step 100 on the previous default and on pid).
   Measured 2026-12-03 on the 200-step CLI runs, lowest layer's window entropy for windows
   ending at steps 100 / 120 / 160 / 200:
     the default, seed 0: 0.987 / 0.989 / 0.978 / 0.997; seed 1: 0.952 / 0.962 / 0.914 / 0.986;
@@ -411,13 +412,13 @@ def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   config = zaya1_tiny.get_config()  # in-process: what `python -m launch.train` runs
   t = config.train
   t.num_steps, t.warmup_steps, t.log_every, t.eval_every, t.eval_batches = 200, 1, 1, 0, 0
-  t.max_steps_per_run = 120  # the 200-step schedule, stopped at 120
+  t.max_steps_per_run = 100  # the 200-step schedule, stopped at 100
   config.checkpoint.every_steps = 0
   run(config, str(workdir))
   with open(workdir / "metrics.jsonl") as f:
     rows = {r["step"]: r for r in map(json.loads, f) if r["kind"] == "train"}
-  load = np.sum([np.asarray(rows[s]["expert_load"])[:, :-1] for s in range(105, 121)], axis=0)
+  load = np.sum([np.asarray(rows[s]["expert_load"])[:, :-1] for s in range(85, 101)], axis=0)
   share = load / load.sum(-1, keepdims=True)
   entropy = -np.sum(share * np.log(np.where(share > 0, share, 1.0)), -1) / np.log(share.shape[-1])
-  print("windowed load entropy per layer, steps 105-120:", entropy.round(4).tolist())
+  print("windowed load entropy per layer, steps 85-100:", entropy.round(4).tolist())
   assert entropy.shape == (4,) and np.all(entropy >= 0.95), entropy
