@@ -10,8 +10,9 @@
 - `"looped"`: a loop over only the tiles the group sizes need (each group's rows in blocks of
   `tile`, read and written in place, the expert's weight sliced, nothing gathered), with a
   `custom_vjp` whose backward pass forms dx and dw in one loop of the same tiles. Same values.
-  Single device only for now: inside the expert-parallel `shard_map` its `while_loop` carry
-  fails JAX's varying-axes check, so it is opt-in (configs/bench_cpu.py sets it);
+  Inside the expert-parallel `shard_map` the loops' initial carries are marked varying over
+  the axes their inputs vary over (`zaya_jax.ops.sharding.varying_like`), as the varying-axes
+  check requires;
 - `"pallas"`: `pallas_kernels.gmm.gmm` (Triton lowering; interpret mode on CPU);
 - `"auto"`: `"tiled"` on CPU, `"ragged_dot"` elsewhere.
 Measured speed ratios between the impls are in README's "Pallas kernels and ops" section.
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gmm import gmm
 from pallas_kernels.gmm.reference import swiglu_grouped
+from zaya_jax.ops.sharding import varying_like
 
 IMPLS = ("auto", "ragged_dot", "tiled", "looped", "pallas")
 
@@ -142,7 +144,9 @@ def _looped_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile):
     x_tD, valid_t, start = _tile_rows(x_MD, lo_n[i], hi_n[i], tile)
     return _write_rows(y_MF, x_tD @ w_EDF[group_n[i]], valid_t, start)
 
-  return jax.lax.fori_loop(0, num, body, jnp.zeros((x_MD.shape[0], w_EDF.shape[2]), x_MD.dtype))
+  init = varying_like(jnp.zeros((x_MD.shape[0], w_EDF.shape[2]), x_MD.dtype), x_MD, w_EDF,
+                      group_sizes_E)
+  return jax.lax.fori_loop(0, num, body, init)
 
 
 def _looped_fwd(x_MD, w_EDF, group_sizes_E, tile):
@@ -163,7 +167,8 @@ def _looped_bwd(tile, residuals, dy_MF):
     dw_DF = jnp.einsum("tD,tF->DF", x_tD, dy_tF, preferred_element_type=jnp.float32)
     return dx_MD, dw_EDF.at[g].add(dw_DF)
 
-  init = (jnp.zeros_like(x_MD), jnp.zeros(w_EDF.shape, jnp.float32))
+  init = varying_like((jnp.zeros_like(x_MD), jnp.zeros(w_EDF.shape, jnp.float32)), x_MD, w_EDF,
+                      group_sizes_E, dy_MF)
   dx_MD, dw_EDF = jax.lax.fori_loop(0, num, body, init)
   return dx_MD, dw_EDF.astype(w_EDF.dtype), None
 

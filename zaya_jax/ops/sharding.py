@@ -46,3 +46,31 @@ def per_batch_shard(fn: Callable[..., Any], *batched: jax.Array,
   rows = P(batch_axes())
   return jax.shard_map(fn, in_specs=(rows,) * len(batched) + (P(),) * len(shared),
                        out_specs=rows, check_vma=False)(*batched, *shared)
+
+
+def varying_like(tree: Any, *like: jax.Array) -> Any:
+  """`tree` (a loop's initial carry) marked varying over every mesh axis that any of `like`
+  varies over: inside `shard_map` (with its varying-axes check) a `fori_loop` / `scan` carry
+  must have the type of the body's output, which varies wherever its inputs do. Outside
+  `shard_map`, or when nothing varies, `tree` is returned as is.
+
+  Args:
+    tree: arrays (any pytree), typically freshly made zeros.
+    like: the arrays the loop body reads.
+  """
+  axes = set().union(*(_varying_axes(x) for x in like))
+  if not axes:
+    return tree
+
+  def mark(x):
+    missing = tuple(sorted(axes - _varying_axes(x)))  # pcast refuses axes already varying
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(mark, tree)
+
+
+def _varying_axes(x: jax.Array) -> set[str]:
+  """The mesh axes `x` varies over inside `shard_map` (empty outside)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "mat", None)  # jax 0.10: ManualAxisType; older: aval.vma
+  return set(manual.varying if manual is not None else getattr(aval, "vma", ()))

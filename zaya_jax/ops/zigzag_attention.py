@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zaya_jax.ops.sharding import varying_like
+
 _MIN = float(np.finfo(np.float32).min)
 
 
@@ -76,19 +78,6 @@ def _blocks(q_BtNH, k_BTKH, v_BTKH, q_seg_Bt, k_seg_BT, b):
           k_seg_BT.reshape(bsz, s // b, b))
 
 
-def _varying(tree, *like):
-  """`tree` (the scan's initial carry) marked varying over the mesh axes any of `like` varies
-  over, as inside `shard_map` the carry must match the body's output type."""
-  axes = set()
-  for x in like:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "mat", None)  # jax 0.10: ManualAxisType; older: aval.vma
-    axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()))
-  if not axes:
-    return tree
-  return jax.tree.map(lambda x: jax.lax.pcast(x, tuple(sorted(axes)), to="varying"), tree)
-
-
 def _take(x, i):
   return jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
 
@@ -106,7 +95,7 @@ def _forward(q_BtNH, k_BTKH, v_BTKH, q_seg_Bt, k_seg_BT, shard, sliding, shards,
   init = (jnp.full((bsz, nq, kh, g, b), _MIN, jnp.float32),      # running max
           jnp.zeros((bsz, nq, kh, g, b), jnp.float32),           # sum of exponentials
           jnp.zeros((bsz, nq, b, kh, g, h), jnp.float32))        # unnormalised output
-  init = _varying(init, q, k, v, q_seg, k_seg, pairs, sliding)
+  init = varying_like(init, q, k, v, q_seg, k_seg, pairs, sliding)
 
   def visit(carry, pair):
     mx, den, acc = carry
@@ -154,7 +143,7 @@ def _attention_bwd(shards, scale, window, b, res, d_out_BtNH):
   pairs = jnp.asarray(block_pairs(shards, q_BtNH.shape[1] // 2, b))[shard]
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
           jnp.zeros(v.shape, jnp.float32))
-  init = _varying(init, q, k, v, q_seg, k_seg, pairs, sliding, d_out, lse)
+  init = varying_like(init, q, k, v, q_seg, k_seg, pairs, sliding, d_out, lse)
 
   def visit(carry, pair):
     dq, dk, dv = carry
