@@ -159,9 +159,10 @@ _ONE_PASS = {}  # mode -> (state, metrics) of the whole batch in one pass
 # accumulation paths once, and one loop of more than 2. "adamw" takes the counts path as "pid"
 # does; its accumulated counts and biases are pinned bit for bit by test_balance_modes'
 # multidevice `test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation[adamw]`
-# (issue 24: 2 for "pid" and then the "adamw" case were dropped).
+# (issue 24: 2 for "pid" and then the "adamw" case were dropped). At LLVM -O0, as the suite:
+# the tolerances set at -O2 hold there too (2026-12-04), and with the micro-batch weights
+# replaced by 1 / n both cases still fail; the -O2 compiles took twice as long.
 @pytest.mark.parametrize("accum,mode", [(4, "pid"), (2, "quantile")])
-@pytest.mark.usefixtures("default_xla_optimizations")
 def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   """Accumulating over micro-batches gives the whole batch's update: the same loss, gradient
   norm, new parameters, Adam moments, routing counts and controller-moved biases. The batch
