@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gmm import gmm
 from pallas_kernels.gmm.reference import swiglu_grouped
-from zaya_jax.ops.sharding import varying_like
+from zaya_jax.ops.sharding import summed_like, varying_like
 
 IMPLS = ("auto", "ragged_dot", "tiled", "looped", "pallas")
 
@@ -172,7 +172,9 @@ def _looped_bwd(tile, residuals, dy_MF):
   init = varying_like((jnp.zeros_like(x_MD), jnp.zeros(w_EDF.shape, jnp.float32)), x_MD, w_EDF,
                       group_sizes_E, dy_MF)
   dx_MD, dw_EDF = jax.lax.fori_loop(0, num, body, init)
-  return dx_MD, dw_EDF.astype(w_EDF.dtype), None
+  # Inside shard_map an input that enters unvarying gets its cotangent summed over the axes
+  # the loop made it vary over, as autodiff would (e.g. rows of a ragged_all_to_all).
+  return summed_like(dx_MD, x_MD), summed_like(dw_EDF, w_EDF).astype(w_EDF.dtype), None
 
 
 _looped_grouped_matmul.defvjp(_looped_fwd, _looped_bwd)

@@ -69,6 +69,15 @@ def varying_like(tree: Any, *like: jax.Array) -> Any:
   return jax.tree.map(mark, tree)
 
 
+def summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+  """A custom VJP's cotangent `ct` brought to the type of its `primal` input: summed
+  (`psum`) over the mesh axes `ct` varies over and `primal` does not, which is what autodiff
+  does for an input that enters a varying computation unvarying (the transpose of the
+  implicit `pcast` to varying is a `psum`). Outside `shard_map`, `ct` as is."""
+  extra = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
+  return jax.lax.psum(ct, extra) if extra else ct
+
+
 def _varying_axes(x: jax.Array) -> set[str]:
   """The mesh axes `x` varies over inside `shard_map` (empty outside)."""
   aval = jax.typeof(x)
