@@ -53,8 +53,9 @@ def get_config() -> ml_collections.ConfigDict:
   # and CUDA; interpret mode on CPU, slow), e.g. --config.model.attention_impl=pallas.
   m.attention_impl = "xla"  # CCA attention: "xla" (causal block triangle) | "pallas" (flash kernel)
   m.routing_impl = "xla"  # top-1 routing: "xla" | "pallas"
-  # Experts' grouped matmul: "auto" (looped on CPU, ragged_dot on GPU) | "ragged_dot" | "tiled" |
-  # "looped" (fastest on CPU, with or without expert parallelism) | "pallas".
+  # Experts' grouped matmul: "auto" (fused on CPU, ragged_dot on GPU) | "ragged_dot" | "tiled" |
+  # "looped" | "fused" (the SwiGLU in one pass per row tile; fastest on CPU, with or without
+  # expert parallelism) | "pallas".
   m.gmm_impl = "auto"
   m.pad_token_id = 0  # token id of padding; must equal the tokenizer's pad id
   m.bos_token_id = 2  # token id of beginning-of-sequence; must equal the tokenizer's bos id

@@ -19,7 +19,7 @@ def get_config():
   m.hidden_size = 512
   m.num_layers = 8
   m.layer_types = ("hybrid",) * 8  # full causal attention in every layer
-  m.gmm_impl = "looped"  # what "auto" picks on CPU, set so the config says it (zaya_jax/ops/grouped_matmul.py)
+  m.gmm_impl = "fused"  # what "auto" picks on CPU, set so the config says it (zaya_jax/ops/grouped_matmul.py)
   # Layers unrolled, not an nnx.scan: on 2 CPU cores 0.86x the step time (the scan's dynamic
   # slices of each layer's weights and saved activations were 14% of the op time; 41 s to
   # compile against 29 s). ZAYA1-base keeps the scan (compile time independent of depth).

@@ -61,8 +61,9 @@ CFG0 = ModelConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, nu
 VARIANTS = {
     "base": {}, "zero_skip": {"skip_mode": "zero"}, "balanced": {"force_balanced_routing": True},
     "ragged_emulated": {},
-    # "auto" is the looped gmm on CPU (its loop carries marked varying inside shard_map);
-    # the padded-tile gmm, the CPU default before 2026-12-04, keeps its own runs
+    # "auto" is the fused SwiGLU on CPU (its loop carries marked varying inside shard_map);
+    # the three-matmul looped gmm and the padded-tile gmm keep one mesh each
+    "looped": {"gmm_impl": "looped"},
     "tiled": {"gmm_impl": "tiled"},
     # Pallas kernels (interpret mode) run per batch shard inside shard_map (zaya_jax/ops/sharding.py)
     "kernels": {"attention_impl": "pallas", "routing_impl": "pallas", "gmm_impl": "pallas"},
@@ -74,7 +75,8 @@ PARITY_RUNS = (
     ("zero_skip", [((1, 1, 8), "all_to_all")], ("diverse", "all_skip")),
     ("balanced", [((2, 1, 4), "allgather")], ("diverse",)),
     ("ragged_emulated", [((2, 1, 4), "ragged_all_to_all")], EDGE),
-    ("tiled", [((2, 1, 4), "allgather"), ((1, 2, 4), "all_to_all")], EDGE),
+    ("looped", [((1, 2, 4), "all_to_all")], EDGE),
+    ("tiled", [((2, 1, 4), "allgather")], EDGE),
     ("kernels", [((2, 1, 4), "allgather")], ("diverse",)),
 )
 PARITY_CASES = [(v, m, d, e) for v, runs, edges in PARITY_RUNS for m, d in runs for e in edges]

@@ -2,7 +2,8 @@
 
   attention.py       CCA's softmax attention: "xla" (causal block triangle) | "pallas"
   route.py           ZAYA1's top-1 choice and gate: "xla" | "pallas"
-  grouped_matmul.py  the experts' grouped matmul: "auto" | "ragged_dot" | "tiled" | "looped" | "pallas"
+  grouped_matmul.py  the experts' grouped matmul: "auto" | "ragged_dot" | "tiled" | "looped" | "fused" | "pallas"
+  fused_experts.py   the experts' SwiGLU fused per row tile (the "fused" impl); row_tiles.py its tiles
   cross_entropy.py   the fused LM head + cross-entropy of the training loss
   sharding.py        running a Pallas call per batch shard under a device mesh
 

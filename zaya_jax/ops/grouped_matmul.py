@@ -13,10 +13,14 @@
   Inside the expert-parallel `shard_map` the loops' initial carries are marked varying over
   the axes their inputs vary over (`zaya_jax.ops.sharding.varying_like`), as the varying-axes
   check requires;
+- `"fused"`: for the experts' SwiGLU (`swiglu_experts`), gate/up, SwiGLU and down in one
+  pass over the `"looped"` tiles with one `custom_vjp` (`zaya_jax.ops.fused_experts`: no
+  `[M, F]` activation saved); a single grouped matmul with this impl is the `"looped"` one;
 - `"pallas"`: `pallas_kernels.gmm.gmm` (Triton lowering; interpret mode on CPU);
-- `"auto"`: `"looped"` on CPU (whole training step, 2026-12-04: 0.92x the step time of
-  `"tiled"` on configs/bench_cpu.py, 0.65x on zaya1_tiny with expert parallelism (2,1,4) on 8
-  fake devices), `"ragged_dot"` elsewhere.
+- `"auto"`: on CPU `"fused"` for the experts' SwiGLU (configs/bench_cpu.py, 2026-12-04, best
+  of 2 in one process: 0.95-0.98x the step time of `"looped"`) and `"looped"` for a single
+  grouped matmul (0.92x `"tiled"` on bench_cpu, 0.65x on zaya1_tiny with expert parallelism
+  (2,1,4) on 8 fake devices); `"ragged_dot"` elsewhere.
 Measured speed ratios between the impls are in README's "Pallas kernels and ops" section.
 """
 
@@ -29,9 +33,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.gmm import gmm
 from pallas_kernels.gmm.reference import swiglu_grouped
+from zaya_jax.ops.fused_experts import fused_swiglu_experts
+from zaya_jax.ops.row_tiles import tile_plan, tile_rows, write_rows
 from zaya_jax.ops.sharding import summed_like, varying_like
 
-IMPLS = ("auto", "ragged_dot", "tiled", "looped", "pallas")
+IMPLS = ("auto", "ragged_dot", "tiled", "looped", "fused", "pallas")
 
 
 def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, impl: str = "auto",
@@ -55,7 +61,7 @@ def grouped_matmul(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
     return jax.lax.ragged_dot(x_MD, w_EDF, group_sizes_E)
   if impl == "tiled":
     return _tiled_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile)
-  if impl == "looped":
+  if impl in ("looped", "fused"):
     return _looped_grouped_matmul(x_MD, w_EDF, group_sizes_E, max(1, min(tile, x_MD.shape[0])))
   if impl == "pallas":
     return gmm(x_MD, w_EDF, group_sizes_E.astype(jnp.int32))
@@ -72,13 +78,18 @@ def swiglu_experts(x_MD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
     w_gate_EDF, w_up_EDF: `[E, D, F]`; w_down_EFD: `[E, F, D]` (compute dtype).
     group_sizes_E: int32 `[E]`; rows past `sum(group_sizes)` (e.g. skipped tokens sorted
       last) give zeros.
-    impl: the `grouped_matmul` impl of the three products.
+    impl: one of IMPLS: `"fused"` (and `"auto"` on CPU) is `fused_swiglu_experts` (one loop,
+      one custom VJP), any other the `grouped_matmul` impl of the three products.
   Returns:
     `[M, D]` in the weights' dtype.
   Raises:
     ValueError: unknown `impl`.
   Matches: HF `ZayaExperts` (`gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`).
   """
+  if impl == "auto" and jax.default_backend() == "cpu":
+    impl = "fused"
+  if impl == "fused":
+    return fused_swiglu_experts(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E)
   return swiglu_grouped(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD,
                         lambda a_MK, w_EKN: grouped_matmul(a_MK, w_EKN, group_sizes_E, impl))
 
@@ -104,47 +115,13 @@ def _tiled_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile):
   return jnp.where(valid_M[:, None], y_MF, 0)
 
 
-def _tile_plan(group_sizes_E: jax.Array, m: int, tile: int):
-  """The `"looped"` tiles: the ceil(size / tile) row blocks of each group, in row order.
-
-  Returns `(group_n, lo_n, hi_n, num)`: tile i multiplies rows `[lo, hi)` (at most `tile`, one
-  group's) by `w[group]`; only the first `num` (int32 [], dynamic) of the static bound
-  `n = M // tile + E` entries are tiles.
-  """
-  e = group_sizes_E.shape[0]
-  n = m // tile + e  # sum ceil(size / tile) <= (M + E (tile - 1)) / tile
-  ends_E = jnp.cumsum(group_sizes_E)
-  tiles_E = (group_sizes_E + tile - 1) // tile
-  tile_ends_E = jnp.cumsum(tiles_E)
-  i_n = jnp.arange(n, dtype=jnp.int32)
-  group_n = jnp.minimum(jnp.searchsorted(tile_ends_E, i_n, side="right"), e - 1)
-  lo_n = ends_E[group_n] - group_sizes_E[group_n] + (i_n - (tile_ends_E - tiles_E)[group_n]) * tile
-  hi_n = jnp.minimum(lo_n + tile, ends_E[group_n])
-  return group_n, lo_n, hi_n, tile_ends_E[-1]
-
-
-def _tile_rows(a_MX: jax.Array, lo: jax.Array, hi: jax.Array, tile: int):
-  """`(a_tX, valid_t, start)`: the `tile` rows from `start` (lo, moved back to fit in M) and
-  which of them lie in `[lo, hi)`."""
-  start = jnp.clip(lo, 0, a_MX.shape[0] - tile)
-  rows_t = start + jnp.arange(tile, dtype=lo.dtype)
-  return jax.lax.dynamic_slice_in_dim(a_MX, start, tile), (rows_t >= lo) & (rows_t < hi), start
-
-
-def _write_rows(out_MX: jax.Array, new_tX: jax.Array, valid_t: jax.Array, start: jax.Array):
-  """`out` with its rows `start + t` replaced by `new` where `valid`."""
-  old_tX = jax.lax.dynamic_slice_in_dim(out_MX, start, new_tX.shape[0])
-  new_tX = jnp.where(valid_t[:, None], new_tX.astype(out_MX.dtype), old_tX)
-  return jax.lax.dynamic_update_slice_in_dim(out_MX, new_tX, start, 0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _looped_grouped_matmul(x_MD, w_EDF, group_sizes_E, tile):
-  group_n, lo_n, hi_n, num = _tile_plan(group_sizes_E, x_MD.shape[0], tile)
+  group_n, lo_n, hi_n, num = tile_plan(group_sizes_E, x_MD.shape[0], tile)
 
   def body(i, y_MF):
-    x_tD, valid_t, start = _tile_rows(x_MD, lo_n[i], hi_n[i], tile)
-    return _write_rows(y_MF, x_tD @ w_EDF[group_n[i]], valid_t, start)
+    x_tD, valid_t, start = tile_rows(x_MD, lo_n[i], hi_n[i], tile)
+    return write_rows(y_MF, x_tD @ w_EDF[group_n[i]], valid_t, start)
 
   init = varying_like(jnp.zeros((x_MD.shape[0], w_EDF.shape[2]), x_MD.dtype), x_MD, w_EDF,
                       group_sizes_E)
@@ -158,14 +135,14 @@ def _looped_fwd(x_MD, w_EDF, group_sizes_E, tile):
 def _looped_bwd(tile, residuals, dy_MF):
   """dx = dy w[group]^T per tile, dw[group] += x^T dy per tile (float32 sums), one loop."""
   x_MD, w_EDF, group_sizes_E = residuals
-  group_n, lo_n, hi_n, num = _tile_plan(group_sizes_E, x_MD.shape[0], tile)
+  group_n, lo_n, hi_n, num = tile_plan(group_sizes_E, x_MD.shape[0], tile)
 
   def body(i, carry):
     dx_MD, dw_EDF = carry
-    x_tD, valid_t, start = _tile_rows(x_MD, lo_n[i], hi_n[i], tile)
+    x_tD, valid_t, start = tile_rows(x_MD, lo_n[i], hi_n[i], tile)
     dy_tF = jnp.where(valid_t[:, None], jax.lax.dynamic_slice_in_dim(dy_MF, start, tile), 0)
     g = group_n[i]
-    dx_MD = _write_rows(dx_MD, jnp.einsum("tF,DF->tD", dy_tF, w_EDF[g]), valid_t, start)
+    dx_MD = write_rows(dx_MD, jnp.einsum("tF,DF->tD", dy_tF, w_EDF[g]), valid_t, start)
     dw_DF = jnp.einsum("tD,tF->DF", x_tD, dy_tF, preferred_element_type=jnp.float32)
     return dx_MD, dw_EDF.at[g].add(dw_DF)
 
