@@ -34,7 +34,7 @@ from zaya_jax.ops.row_tiles import tile_plan, tile_rows, write_rows
 from zaya_jax.ops.sharding import summed_like, varying_like
 
 
-TILE = 64  # rows per tile: configs/bench_cpu.py's step 0.92x at 64 against 128 (README)
+TILE = 64  # rows per tile: configs/bench_cpu.py's step 0.96x at 64 against 128 (2026-12-04, README)
 
 
 def fused_swiglu_experts(x_MD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
@@ -114,10 +114,11 @@ def _fused_bwd(tile, residuals, dy_MD):
     dy_tD = dy_tD.astype(wd_FD.dtype)
     a_tF = jax.lax.dynamic_slice_in_dim(a_MF, start, tile)  # rows of other groups: dy is 0
     b_tF = jax.lax.dynamic_slice_in_dim(b_MF, start, tile)
-    h_tF = jax.nn.silu(a_tF) * b_tF
-    dh_tF = jnp.einsum("tD,FD->tF", dy_tD, wd_FD)
     sig_tF = jax.nn.sigmoid(a_tF)
-    db_tF = dh_tF * (a_tF * sig_tF)  # silu(a) = a sigmoid(a)
+    silu_tF = a_tF * sig_tF  # jax.nn.silu(a)
+    h_tF = silu_tF * b_tF
+    dh_tF = jnp.einsum("tD,FD->tF", dy_tD, wd_FD)
+    db_tF = dh_tF * silu_tF
     da_tF = dh_tF * b_tF * (sig_tF * (1 + a_tF * (1 - sig_tF)))  # silu'(a)
     dx_tD = jnp.einsum("tF,DF->tD", da_tF, wg_DF) + jnp.einsum("tF,DF->tD", db_tF, wu_DF)
     dx_MD = write_rows(dx_MD, dx_tD, valid_t, start)

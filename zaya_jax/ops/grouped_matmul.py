@@ -14,8 +14,8 @@
   the axes their inputs vary over (`zaya_jax.ops.sharding.varying_like`), as the varying-axes
   check requires;
 - `"fused"`: for the experts' SwiGLU (`swiglu_experts`), gate/up, SwiGLU and down in one
-  pass over the `"looped"` tiles with one `custom_vjp` (`zaya_jax.ops.fused_experts`: no
-  `[M, F]` activation saved); a single grouped matmul with this impl is the `"looped"` one;
+  pass over the `"looped"` tiles with one `custom_vjp` (`zaya_jax.ops.fused_experts`: saves
+  the gate and up products, not h); a single grouped matmul with this impl is the `"looped"` one;
 - `"pallas"`: `pallas_kernels.gmm.gmm` (Triton lowering; interpret mode on CPU);
 - `"auto"`: on CPU `"fused"` for the experts' SwiGLU (configs/bench_cpu.py, 2026-12-04, best
   of 2 in one process: 0.95-0.98x the step time of `"looped"`) and `"looped"` for a single
