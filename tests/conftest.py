@@ -21,6 +21,8 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from tests.helpers import with_suite_xla_flags
+
 MULTIDEVICE_COUNT = 8  # devices a `multidevice` test needs
 
 
@@ -147,6 +149,7 @@ def _configure_compilation(config):
   if os.environ.get("ZAYA_TEST_FULL_OPT") != "1":
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     jax.config.update("jax_disable_most_optimizations", True)
+    os.environ["XLA_FLAGS"] = with_suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
   if os.environ.get("ZAYA_TEST_NO_COMPILE_CACHE") == "1":
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
   else:

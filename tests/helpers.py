@@ -239,6 +239,22 @@ MULTIPROCESS_OVERRIDES = [
 ]
 
 
+# XLA:CPU's older loop emitters instead of its fusion emitters, for the whole suite and its
+# subprocesses (tests/conftest.py, not with ZAYA_TEST_FULL_OPT=1): they halve the backend
+# compile of the tiny train step at LLVM -O0 (5.7 -> 2.4 s), most of the suite's time.
+SUITE_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+
+
+def with_suite_xla_flags(xla_flags: str) -> str:
+  """`xla_flags` (an XLA_FLAGS value) with `SUITE_XLA_FLAGS` added where not already there,
+  unless ZAYA_TEST_FULL_OPT=1 (XLA's defaults)."""
+  if os.environ.get("ZAYA_TEST_FULL_OPT") == "1":
+    return xla_flags
+  flags = xla_flags.split()
+  names = {f.split("=", 1)[0] for f in flags}
+  return " ".join(flags + [f for f in SUITE_XLA_FLAGS if f.split("=", 1)[0] not in names])
+
+
 def launch_devices(workdir, corpus_path, devices, *extra, log=None, cache_dir=None):
   """Starts `python -m launch.train` on `corpus_path` with `MULTIPROCESS_OVERRIDES`, then
   `extra`, and `devices` fake CPU devices; output goes to `log`.
@@ -254,8 +270,9 @@ def launch_devices(workdir, corpus_path, devices, *extra, log=None, cache_dir=No
   """
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-              "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
+  env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+              "XLA_FLAGS": with_suite_xla_flags(
+                  f"--xla_force_host_platform_device_count={devices}")})
   if cache_dir is not None:
     assert not any(a.startswith("--num_processes") for a in extra), "one process only"
     env.update(cache_env(cache_dir))

@@ -328,6 +328,9 @@ def test_muon_train_step_changes_every_parameter():
 
 # --- router learning-rate scale --------------------------------------------------------------
 
+_FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
 def test_router_lr_scale_scales_only_the_router_updates(tiny_params):
   """`train.router_lr_scale`: two steps of the same gradients; every router parameter's update
   (the matrices on Muon with `muon_router`, the vectors on AdamW) is `scale` x the unscaled
@@ -350,7 +353,10 @@ def test_router_lr_scale_scales_only_the_router_updates(tiny_params):
       for g in grads:
         u, state = tx.update(g, state, params)
       return u, state
-    return two_steps(params, grads)
+    # XLA:CPU's fusion emitters, whatever XLA_FLAGS the suite runs with (tests/conftest.py):
+    # two separately compiled programs round alike only when compiled alike.
+    compiled = two_steps.lower(params, grads).compile(_FUSION_EMITTERS)
+    return compiled(params, grads)
 
   u1, s1 = updates(TrainConfig(**base))
   u2, s2 = updates(TrainConfig(**scaled))
