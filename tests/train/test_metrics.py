@@ -103,6 +103,28 @@ def test_resume_truncates_jsonl_and_purges_tensorboard(tmp_path):
   assert scalars(events)[("train/loss", 3)] == pytest.approx(2.7)
 
 
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+  """A training process writes its events without importing torch (1.1 s of every run's
+  start where torch is installed, as here); an image and scalars still reach the file."""
+  code = (
+      "import sys\n"
+      "from zaya_jax.train import metrics\n"
+      f"w = metrics.MetricsWriter({str(tmp_path / metrics.METRICS_FILE)!r}, enabled=True)\n"
+      "w.write({'kind': 'train', 'step': 1, 'loss': 2.0, 'expert_load': [[0.5, 0.5], [1.0, 0.0]]})\n"
+      "w.close()\n"
+      "assert 'torch' not in sys.modules, 'torch imported'\n"
+      "import torch\n"  # still importable afterwards
+      "print('ok', torch.__name__)\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0 and "ok torch" in proc.stdout, proc.stdout + proc.stderr
+  [path] = event_files(str(tmp_path))
+  events = read_events(path)
+  assert scalars(events)[("train/loss", 1)] == 2.0
+  assert any(v.tag == "train/expert_load" and v.WhichOneof("value") == "image"
+             for e in events for v in e.summary.value)
+
+
 def test_disabled_writer_writes_nothing(tmp_path):
   writer = metrics.MetricsWriter(str(tmp_path / metrics.METRICS_FILE), enabled=False)
   writer.write(train_record(1))
