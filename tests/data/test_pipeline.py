@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
+import sysconfig
 
 from absl import flags
 import grain
@@ -475,6 +477,12 @@ def test_stdlib_source_is_real_python():
   assert len(refs) > 500 and ids == sorted(ids)
   assert "stdlib:json/decoder.py" in ids
   assert not any("site-packages" in i for i in ids)
+  # The listing `pathlib` gives (the implementation before the faster `os.walk` one).
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  want = [(f"stdlib:{p.relative_to(root).as_posix()}", str(p)) for p in sorted(root.rglob("*.py"))
+          if p.is_file() and not {"site-packages", "dist-packages", "__pycache__"}.intersection(
+              p.relative_to(root).parts)]
+  assert [(r.doc_id, r.path) for r in refs] == want
   text = sources.read_document(refs[ids.index("stdlib:json/decoder.py")], "text")
   compile(text, "decoder.py", "exec")
   batch = next(data.make_train_iterator(data.DataConfig(), seq_len=256, batch_size=4, seed=0))
