@@ -59,7 +59,9 @@ def _tensorboardx():
   installed, only so that it also accepts torch tensors (we pass numpy and floats), which
   costs every training run about 1 s of start-up (1.1 s measured on 2 cores) where torch is
   installed (the test environment, conversion checks). Where torch is already imported, it
-  is used as usual.
+  is used as usual. (While tensorboardX loads, `sys.modules["torch"]` is None: another
+  thread importing torch in that moment would get ImportError; no thread of a training
+  process imports torch.)
   """
   import sys  # pylint: disable=import-outside-toplevel
 
