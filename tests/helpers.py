@@ -255,6 +255,13 @@ def with_suite_xla_flags(xla_flags: str) -> str:
   return " ".join(flags + [f for f in SUITE_XLA_FLAGS if f.split("=", 1)[0] not in names])
 
 
+def subprocess_xla_flags(devices: int = 1) -> str:
+  """The XLA_FLAGS of a test's subprocess: `devices` fake CPU devices (no flag for 1) and
+  `SUITE_XLA_FLAGS` (`with_suite_xla_flags`)."""
+  return with_suite_xla_flags(
+      f"--xla_force_host_platform_device_count={devices}" if devices > 1 else "")
+
+
 def launch_devices(workdir, corpus_path, devices, *extra, log=None, cache_dir=None):
   """Starts `python -m launch.train` on `corpus_path` with `MULTIPROCESS_OVERRIDES`, then
   `extra`, and `devices` fake CPU devices; output goes to `log`.
@@ -271,8 +278,7 @@ def launch_devices(workdir, corpus_path, devices, *extra, log=None, cache_dir=No
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   env.update({"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
-              "XLA_FLAGS": with_suite_xla_flags(
-                  f"--xla_force_host_platform_device_count={devices}")})
+              "XLA_FLAGS": subprocess_xla_flags(devices)})
   if cache_dir is not None:
     assert not any(a.startswith("--num_processes") for a in extra), "one process only"
     env.update(cache_env(cache_dir))

@@ -28,7 +28,7 @@ import pytest
 
 from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf import collectives as C, nccl
-from tests.helpers import with_suite_xla_flags
+from tests.helpers import subprocess_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 180
@@ -39,7 +39,7 @@ def env(devices: int) -> dict[str, str]:
   """This environment with `devices` fake CPU devices and no cluster variables."""
   e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
   e.update({"JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": with_suite_xla_flags(f"--xla_force_host_platform_device_count={devices}"),
+            "XLA_FLAGS": subprocess_xla_flags(devices),
             "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)})
   return e
 

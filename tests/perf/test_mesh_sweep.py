@@ -19,7 +19,7 @@ from zaya_jax.perf import hlo, mesh_sweep
 from zaya_jax.config.mesh import parse_meshes
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.context import CONTEXT_SCOPE
-from tests.helpers import with_suite_xla_flags
+from tests.helpers import subprocess_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -151,7 +151,7 @@ def _read(out):
 
 @pytest.mark.slow
 def test_mesh_sweep_cli_on_8_fake_devices(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": with_suite_xla_flags("--xla_force_host_platform_device_count=8"),
+  env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags(8),
          "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
   a2a, ag = str(tmp_path / "a2a"), str(tmp_path / "ag")
   procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

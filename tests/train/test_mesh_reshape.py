@@ -56,7 +56,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tests.helpers import MODEL_OVERRIDES, cache_env, with_suite_xla_flags
+from tests.helpers import MODEL_OVERRIDES, cache_env, subprocess_xla_flags
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import GROUPS, CheckpointConfig, resolve
 from zaya_jax.data import make_train_iterator
@@ -107,8 +107,7 @@ def launch(workdir, cache_dir, devices, mesh, *extra):
   """Starts `python -m launch.train` with `devices` CPU devices; output goes to workdir.log."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
   env.update({"JAX_PLATFORMS": "cpu", **cache_env(cache_dir), "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
-  env["XLA_FLAGS"] = with_suite_xla_flags(
-      f"--xla_force_host_platform_device_count={devices}" if devices > 1 else "")
+  env["XLA_FLAGS"] = subprocess_xla_flags(devices)
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/zaya1_tiny.py",
          f"--workdir={workdir}", *OVERRIDES, *mesh_flags(mesh), *extra]
   log = open(f"{workdir}.log", "w")  # a file: a full pipe would stall a process we don't read yet

@@ -43,6 +43,7 @@ import itertools
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -63,8 +64,6 @@ def _tensorboardx():
   thread importing torch in that moment would get ImportError; no thread of a training
   process imports torch.)
   """
-  import sys  # pylint: disable=import-outside-toplevel
-
   if "tensorboardX" in sys.modules or "torch" in sys.modules:
     import tensorboardX  # pylint: disable=import-outside-toplevel
     return tensorboardX
