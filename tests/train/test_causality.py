@@ -4,7 +4,8 @@ its sequence or on the other sequences of the batch.
 The real `train_step` (forward with the step's balancing, head, loss) on a [4, 32] batch whose
 loss mask keeps only the early positions (or only row 0): the step's loss must not change, bit
 for bit, when the later tokens (or the other rows) change. Every mode whose forward routes with
-the biases fixed before the step (the default "quantile" with `quantile_apply="next"`, "adamw",
+the biases fixed before the step (the default "quantile" with `quantile_apply="next"`, with or
+without `quantile_reroute` (which changes only the update after the step), "adamw",
 "pid", "sign", balancing off) shares one forward (`batch_balance_of` is None for all of them),
 so one compiled step covers them; the opt-in `quantile_apply="current"` (biases solved from the
 routed batch itself) is shown to break both properties, which is also the proof that the test
@@ -28,7 +29,8 @@ from zaya_jax.train.step import batch_balance_of
 from tests.helpers import tiny_model_config
 
 B, T, EARLY = 4, 32, 16
-CAUSAL_MODES = [BalanceConfig(), BalanceConfig(mode="adamw"), BalanceConfig(mode="pid"),
+CAUSAL_MODES = [BalanceConfig(), BalanceConfig(quantile_reroute=True),
+                BalanceConfig(mode="adamw"), BalanceConfig(mode="pid"),
                 BalanceConfig(mode="sign"), BalanceConfig(enabled=False)]
 
 

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -162,7 +163,7 @@ _ONE_PASS = {}  # mode -> (state, metrics) of the whole batch in one pass
 # (issue 24: 2 for "pid" and then the "adamw" case were dropped). At LLVM -O0, as the suite:
 # the tolerances set at -O2 hold there too (2026-12-04), and with the micro-batch weights
 # replaced by 1 / n both cases still fail; the -O2 compiles took twice as long.
-@pytest.mark.parametrize("accum,mode", [(4, "pid"), (2, "quantile")])
+@pytest.mark.parametrize("accum,mode", [(4, "pid"), (2, "quantile"), (2, "quantile_reroute")])
 def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   """Accumulating over micro-batches gives the whole batch's update: the same loss, gradient
   norm, new parameters, Adam moments, routing counts and controller-moved biases. The batch
@@ -174,7 +175,8 @@ def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   train_cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-2, batch_size=4, seq_len=12)
   graphdef, params_shape, _ = abstract_model(model_cfg, seed=0)
   tx = make_optimizer(train_cfg, params_shape)
-  bal = BalanceConfig(mode=mode, kp=0.05, router_z_loss=1e-2, quantile_apply="next")
+  bal = BalanceConfig(mode=mode.removesuffix("_reroute"), kp=0.05, router_z_loss=1e-2,
+                      quantile_apply="next", quantile_reroute=mode.endswith("_reroute"))
   rng = np.random.default_rng(3)
   batch = {k: np.concatenate([a, b]) for (k, a), b in
            zip(random_batch(rng).items(), random_batch(rng).values())}
@@ -233,3 +235,60 @@ def test_linear_cross_entropy_equals_logits_then_cross_entropy(chunks, bias):
     np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="chunks=5"):
     linear_cross_entropy(y, w, bias_v, targets, mask, 5)
+
+
+def test_router_probs_of_the_router_inputs_equal_the_forward_pass():
+  """`ZayaForCausalLM.router_probs` on the forward's aux "router_inputs" (every parameter
+  random) gives the forward's own "router_probs" on every layer: the same token order and
+  the EDA chain over layers."""
+  from tests.helpers import random_model
+  model = random_model(tiny_model_config(), seed=4)
+  batch = random_batch(np.random.default_rng(5))
+  _, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True)
+  got = jax.jit(lambda m, x: m.router_probs(x))(model, aux["router_inputs"])
+  assert aux["router_inputs"].shape == (model.cfg.num_layers, 24, model.cfg.hidden_size)
+  np.testing.assert_allclose(got, aux["router_probs"], rtol=0, atol=2e-6)
+  assert float(jnp.std(aux["router_probs"][1], axis=0).max()) > 0.05  # token-dependent routing
+
+
+@pytest.mark.slow
+def test_reroute_balances_the_batch_as_the_updated_router_scores_it():
+  """`balance.quantile_reroute`: the histogram step reads this batch's router probabilities
+  under the parameters *after* the update. With an optimizer that moves only the routers'
+  parameters, layer 0's router inputs (embedding, attention) stay as they were, so layer 0's
+  new biases must equal `quantile_step` on the probabilities of a full forward pass with the
+  updated parameters; and differ from those on the pre-update probabilities (the default
+  rule's)."""
+  from tests.helpers import random_model
+  from zaya_jax.config import BalanceConfig
+  from zaya_jax.train import balance as balance_lib
+  from zaya_jax.train.state import TrainState
+  model_cfg = tiny_model_config()
+  train_cfg = TrainConfig(num_steps=10, warmup_steps=1, lr=3e-2, batch_size=4, seq_len=12)
+  rng = np.random.default_rng(6)
+  batch = {k: np.concatenate([a, b]) for (k, a), b in
+           zip(random_batch(rng).items(), random_batch(rng).values())}
+  graphdef, params, model_state = nnx.split(random_model(model_cfg, seed=7), nnx.Param, ...)
+  labels = nnx.map_state(lambda path, _: "router" if "router" in path else "frozen", params)
+  tx = optax.multi_transform({"router": optax.adam(3e-2), "frozen": optax.set_to_zero()},
+                             labels)
+  state0 = init_train_state(model_cfg, tx, seed=0).replace(
+      params=params, model_state=model_state, opt_state=tx.init(params))
+  bal = BalanceConfig(quantile_reroute=True, quantile_integral=0.15)
+  step = jax.jit(lambda s, b: train_step(graphdef, tx, make_schedule(train_cfg), s, b,
+                                         balance=bal))
+  new_state, _ = step(state0, batch)
+  b0_LX = balance_lib.get_biases(state0.model_state)
+
+  def probs_under(p):
+    model = nnx.merge(graphdef, p, model_state)
+    return model(batch["inputs"], batch["segment_ids"], batch["positions"], return_aux=True)[1][
+        "router_probs"]
+  valid_M = batch["segment_ids"].reshape(-1) > 0
+  fresh = balance_lib.init_balance_state(*b0_LX.shape)
+  want_after, _ = balance_lib.quantile_step(bal, b0_LX, fresh, probs_under(new_state.params), valid_M)
+  want_before, _ = balance_lib.quantile_step(bal, b0_LX, fresh, probs_under(params), valid_M)
+  got_LX = balance_lib.get_biases(new_state.model_state)
+  np.testing.assert_allclose(got_LX[0], want_after[0], rtol=0, atol=1e-6)
+  assert float(jnp.max(jnp.abs(want_before[0] - want_after[0]))) > 1e-4  # the update mattered
+  assert isinstance(new_state, TrainState)

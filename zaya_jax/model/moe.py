@@ -153,5 +153,6 @@ class MoE(nnx.Module):
              "z2": mean(jnp.square(jax.nn.logsumexp(logits_MX, axis=-1))),
              # every token's probabilities in [B, T] order (matching the batch's flattened masks)
              "probs": jax.lax.stop_gradient(from_tokens(probs_MX).reshape(bsz * t, -1)),
-             "biases": biases_X}
+             "biases": biases_X,
+             "inputs": jax.lax.stop_gradient(b_BTD.reshape(bsz * t, d))}
     return out._replace(stats=stats)

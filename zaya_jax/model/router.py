@@ -64,6 +64,27 @@ class Router(nnx.Module):
     result, r_MR, probs_MX = self.route(h_MD, r_prev_MR)
     return result.class_M, result.gate_M, r_MR, probs_MX
 
+  def probabilities(self, h_MD: jax.Array, r_prev_MR: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The router MLP without the choice: `(r_MR, logits_MX, probs_MX)`, all float32.
+
+    Args:
+      h_MD: the tokens' router inputs [M, D], any float dtype (cast to float32).
+      r_prev_MR: float32 router state of the previous layer [M, R] (zeros for layer 0).
+
+    Returns:
+      The router state after EDA [M, R], the logits [M, X] and their softmax [M, X]
+      (HF `ZayaRouter.forward` up to the biased argmax).
+    """
+    h = h_MD.astype(jnp.float32)
+    r_MR = h @ self.down_proj[...] + self.down_bias[...]
+    r_MR = r_MR + r_prev_MR * self.router_states_scale[...]
+    z = self.norm(r_MR)
+    z = jax.nn.gelu(z @ self.fc1[...] + self.fc1_bias[...], approximate=False)
+    z = jax.nn.gelu(z @ self.fc2[...] + self.fc2_bias[...], approximate=False)
+    logits_MX = z @ self.out_proj[...]
+    return r_MR, logits_MX, jax.nn.softmax(logits_MX, axis=-1)
+
   def route(self, h_MD: jax.Array, r_prev_MR: jax.Array, with_logits: bool = False,
             batch_balance: BatchBalance | None = None, valid_M: jax.Array | None = None):
     """`(RouteResult, r_MR, probs_MX)`: as `__call__`, plus (with `routing_impl="pallas"`) the
@@ -72,14 +93,7 @@ class Router(nnx.Module):
     and the biases `[X]` the tokens were routed with: the stored `balancing_biases`, or,
     with `batch_balance`, those it solves from these tokens' probabilities (`valid_M`: bool
     [M], the tokens that count)."""
-    h = h_MD.astype(jnp.float32)
-    r_MR = h @ self.down_proj[...] + self.down_bias[...]
-    r_MR = r_MR + r_prev_MR * self.router_states_scale[...]
-    z = self.norm(r_MR)
-    z = jax.nn.gelu(z @ self.fc1[...] + self.fc1_bias[...], approximate=False)
-    z = jax.nn.gelu(z @ self.fc2[...] + self.fc2_bias[...], approximate=False)
-    logits_MX = z @ self.out_proj[...]
-    probs_MX = jax.nn.softmax(logits_MX, axis=-1)
+    r_MR, logits_MX, probs_MX = self.probabilities(h_MD, r_prev_MR)
     biases_X = self.balancing_biases[...]
     if batch_balance is not None:
       biases_X = batch_balance.solve(jax.lax.stop_gradient(probs_MX), valid_M, biases_X)

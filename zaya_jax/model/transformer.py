@@ -83,8 +83,10 @@ class ZayaForCausalLM(nnx.Module):
   and means over non-padding tokens `"router_entropy": float32 [L]` (-sum_x p log p, nats),
   `"router_mean_probs": float32 [L, X]` (router softmax), `"router_z2": float32 [L]`
   (logsumexp(router logits)^2)}; the router ones are differentiable (auxiliary losses);
-  and `"router_probs": float32 [L, B*T, X]`, every token's router softmax (no gradient; for
-  quantile balancing, dropped by XLA when unused).
+  and `"router_probs": float32 [L, B*T, X]`, every token's router softmax, and
+  `"router_inputs": [L, B*T, D]` in the compute dtype, every token's router input (the
+  post-attention-normed hidden state; both without gradient, for quantile balancing and
+  `router_probs`, dropped by XLA when unused).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -188,7 +190,22 @@ class ZayaForCausalLM(nnx.Module):
     return x_BTD, {"expert_counts": counts_LX, "dropped_tokens": dropped_L,
                    "router_entropy": router_L["entropy"],
                    "router_mean_probs": router_L["mean_probs"], "router_z2": router_L["z2"],
-                   "router_probs": router_L["probs"], "routing_biases": router_L["biases"]}
+                   "router_probs": router_L["probs"], "routing_biases": router_L["biases"],
+                   "router_inputs": router_L["inputs"]}
+
+  def router_probs(self, inputs_LMD: jax.Array) -> jax.Array:
+    """Every layer's router softmax, float32 [L, M, X], of the router inputs `inputs_LMD`
+    [L, M, D] (any float dtype; `backbone`'s aux "router_inputs", M tokens), computed with
+    this model's router parameters: the router MLP alone, with EDA chained over the layers
+    from a zero state as in `backbone`. With the parameters that produced the inputs it
+    equals `backbone`'s "router_probs"; `balance.quantile_reroute` calls it with the
+    parameters after the optimizer update (zaya_jax/train/step.py)."""
+    def step(r_MR, router, h_MD):
+      r_MR, _, probs_MX = router.probabilities(h_MD, r_MR)
+      return r_MR, probs_MX
+    run = nnx.scan(step, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    r0_MR = jnp.zeros((inputs_LMD.shape[1], self.cfg.router_hidden_size), jnp.float32)
+    return run(r0_MR, self.layers.mlp.router, inputs_LMD)[1]
 
   # Step 3: final norm and the tied LM head.
   def head_inputs(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:

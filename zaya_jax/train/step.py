@@ -104,6 +104,22 @@ def _objective(graphdef, params, model_state, batch: Batch, cfg: BalanceConfig |
   return objective, (loss_sum, aux, router)
 
 
+def rerouted_probs(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State,
+                   inputs_LMD: jax.Array) -> jax.Array:
+  """float32 [L, M, X], no gradient: the router softmax of this step's router inputs
+  `inputs_LMD` [L, M, D] (the forward's aux "router_inputs") under `params`, the parameters
+  after the optimizer update (`balance.quantile_reroute`).
+
+  The histogram step then moves the biases to balance this batch as the *updated* router
+  scores it, which is how the next batch will be scored: the biases no longer trail the
+  router's own step by one update (README "Load balancing"). Only the router MLPs run (EDA
+  chained over the layers), on inputs from the pre-update backbone; no collective beyond
+  those GSPMD needs for a [L, M, D] input sharded like the batch.
+  """
+  model = nnx.merge(graphdef, jax.lax.stop_gradient(params), model_state, copy=True)
+  return jax.lax.stop_gradient(model.router_probs(jax.lax.stop_gradient(inputs_LMD)))
+
+
 def micro_batches(batch: Batch, num_micro: int) -> Batch:
   """`[B, ...]` leaves -> `[num_micro, B / num_micro, ...]`; micro-batch j holds rows
   j, j + num_micro, j + 2 num_micro, ... so that, with the batch sharded over devices in
@@ -132,13 +148,15 @@ def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceCon
   With "quantile" balancing, aux also holds every token's `router_probs` [L, M, X] (all
   micro-batches') and `valid` bool [M] (non-padding), in the same token order, and
   `routing_biases` [L, X] (with `quantile_apply="current"` the mean over micro-batches of
-  the biases each solved for itself).
+  the biases each solved for itself), and with `quantile_reroute` every token's
+  `router_inputs` [L, M, D] in the same order.
   """
   tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
   total = jnp.maximum(tokens, 1.0)
   grad_fn = jax.value_and_grad(_objective, argnums=1, has_aux=True)
   need_probs = cfg is not None and cfg.enabled and cfg.mode == "quantile" and (
       cfg.quantile_apply == "next")
+  need_inputs = need_probs and cfg.quantile_reroute
   if num_micro == 1:
     (objective, (loss_sum, aux, router)), grads = grad_fn(
         graphdef, params, model_state, batch, cfg, total, 1.0)
@@ -159,22 +177,26 @@ def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceCon
              "router_entropy": aux["router_entropy"] * weight,
              "routing_biases": aux["routing_biases"] / num_micro,
              **{k: v * weight for k, v in router.items()}}
-    return (parts, grads), aux["router_probs"] if need_probs else None
+    per_token = {k: aux[k] for k in ("router_probs",) * need_probs + ("router_inputs",) * need_inputs}
+    return (parts, grads), per_token
 
   def body(carry, micro):
-    summed, probs = micro_parts(micro)
-    return jax.tree.map(jnp.add, carry, summed), probs
+    summed, per_token = micro_parts(micro)
+    return jax.tree.map(jnp.add, carry, summed), per_token
 
   micros = micro_batches(batch, num_micro)
   shapes = jax.eval_shape(micro_parts, jax.tree.map(lambda x: x[0], micros))[0]
   init = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-  (parts, grads), probs_nLMX = jax.lax.scan(body, init, micros)
+  (parts, grads), per_token_n = jax.lax.scan(body, init, micros)
   router = {k: parts[k] for k in ("z_loss", "load_balance")}
   aux = {k: parts[k] for k in ("expert_counts", "dropped_tokens", "router_entropy",
                                "routing_biases")}
-  if need_probs:  # tokens in micro-batch order, matching the flattened micro-batch masks
-    n, l, m, x = probs_nLMX.shape
-    aux["router_probs"] = jnp.moveaxis(probs_nLMX, 0, 1).reshape(l, n * m, x)
+  # Tokens in micro-batch order, matching the flattened micro-batch masks: [n, L, m, ...]
+  # -> [L, n * m, ...].
+  for k, v_nLM_ in per_token_n.items():
+    n, l, m = v_nLM_.shape[:3]
+    aux[k] = jnp.moveaxis(v_nLM_, 0, 1).reshape(l, n * m, *v_nLM_.shape[3:])
+  if need_probs:
     aux["valid"] = in_context_order(micros["segment_ids"], axis=2).reshape(-1) > 0
   return (parts["objective"], parts["loss_sum"] / total, tokens, aux, router), grads
 
@@ -229,15 +251,18 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(objective) & jnp.isfinite(grad_norm)
   counts_LX = aux["expert_counts"]
+  # Skipped: params and moments kept, optax's counters advance with the step (optim.py).
+  params, opt_state = update_or_skip(tx, grads, state.opt_state, state.params, state.step, finite)
   model_state, balance_state = state.model_state, state.balance
   if cfg is not None and cfg.enabled:
     if balance_state is None:
       balance_state = balance_lib.init_balance_state(*counts_LX.shape)
+    probs_LMX = aux.get("router_probs")
+    if cfg.mode == "quantile" and cfg.quantile_reroute:
+      probs_LMX = rerouted_probs(graphdef, params, state.model_state, aux["router_inputs"])
     model_state, balance_state = balance_lib.update_model_state(
         cfg, state.model_state, balance_state, jax.lax.stop_gradient(counts_LX), finite,
-        aux.get("router_probs"), aux.get("valid"), aux.get("routing_biases"))
-  # Skipped: params and moments kept, optax's counters advance with the step (optim.py).
-  params, opt_state = update_or_skip(tx, grads, state.opt_state, state.params, state.step, finite)
+        probs_LMX, aux.get("valid"), aux.get("routing_biases"))
   skipped = (~finite).astype(jnp.int32)
   new_state = state.replace(
       step=state.step + 1,
