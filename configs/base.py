@@ -52,6 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   # One impl per hot op (zaya_jax/ops/). "pallas" = the Pallas kernel (Triton lowering: ROCm
   # and CUDA; interpret mode on CPU, slow), e.g. --config.model.attention_impl=pallas.
   m.attention_impl = "xla"  # CCA attention: "xla" (causal block triangle) | "pallas" (flash kernel)
+  m.attention_backward = "autodiff"  # "xla" attention's backward: "autodiff" (saves every block's probabilities) | "recompute" (flash-style: saves a log-sum-exp per query, recomputes them)
   m.routing_impl = "xla"  # top-1 routing: "xla" | "pallas"
   # Experts' grouped matmul: "auto" (fused on CPU, ragged_dot on GPU) | "ragged_dot" | "tiled" |
   # "looped" | "fused" (the SwiGLU in one pass per row tile; fastest on CPU, with or without

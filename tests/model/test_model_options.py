@@ -123,7 +123,7 @@ def test_replaced_kernels_field_names_the_new_fields():
 
 def test_compute_only_fields_are_tagged_in_the_dataclass():
   assert set(COMPUTE_ONLY_MODEL_FIELDS) == {
-      "dtype", "scan_layers", "remat", "attention_impl", "routing_impl", "gmm_impl",
+      "dtype", "scan_layers", "remat", "attention_impl", "attention_backward", "routing_impl", "gmm_impl",
       "moe_dispatch", "capacity_factor", "force_balanced_routing"}
 
 

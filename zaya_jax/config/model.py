@@ -15,8 +15,8 @@ LAYER_TYPES = ("hybrid", "hybrid_sliding")  # full causal attention | sliding-wi
 SKIP_MODES = ("zero", "scaled_identity")  # transformers | Zyphra's original trainer (gate * x)
 DTYPES = ("float32", "bfloat16")
 ROUTER_INITS = ("fan_in", "normal")  # router MLP init: std 1/sqrt(fan_in) | initializer_range
-IMPLS = {"attention_impl": attention.IMPLS, "routing_impl": route.IMPLS,
-         "gmm_impl": grouped_matmul.IMPLS}  # field -> the op's implementations
+IMPLS = {"attention_impl": attention.IMPLS, "attention_backward": attention.BACKWARDS,
+         "routing_impl": route.IMPLS, "gmm_impl": grouped_matmul.IMPLS}  # field -> the op's implementations
 
 
 def _compute_only(default: Any) -> Any:
@@ -69,6 +69,7 @@ class ModelConfig:
   scan_layers: bool = _compute_only(True)  # run layers with nnx.scan (compile time independent of depth)
   remat: bool = _compute_only(False)  # rematerialise each layer in the backward pass
   attention_impl: str = _compute_only("xla")  # CCA attention: zaya_jax.ops.attention.IMPLS
+  attention_backward: str = _compute_only("autodiff")  # "xla" attention's backward: zaya_jax.ops.attention.BACKWARDS
   routing_impl: str = _compute_only("xla")  # top-1 routing: zaya_jax.ops.route.IMPLS
   gmm_impl: str = _compute_only("auto")  # experts' grouped matmul: zaya_jax.ops.grouped_matmul.IMPLS
   moe_dispatch: str = _compute_only("auto")  # EP token dispatch: zaya_jax.parallel.dispatch.DISPATCHES

@@ -174,7 +174,7 @@ class CCA(nnx.Module):
     q, k = apply_rope(q, cos_BTP, sin_BTP), apply_rope(k, cos_BTP, sin_BTP)
     o_BTNH = attention(q, k, v, segment_ids_BT, mask_BTS, scale=self.cfg.head_dim ** -0.5,
                        window=self.cfg.attention_window, sliding=sliding,
-                       impl=self.cfg.attention_impl)
+                       impl=self.cfg.attention_impl, backward=self.cfg.attention_backward)
     return jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.o_proj[...].astype(dtype)) + self._bias("o_bias", dtype)
 
   # --- Context parallelism (zaya_jax/parallel/context.py) ------------------------------------
