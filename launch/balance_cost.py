@@ -26,8 +26,10 @@ quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its back
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
 _VARIANTS = flags.DEFINE_list(
-    "variants", ["none", "quantile:next", "adamw", "pid", "sign", "quantile:current"],
-    "Balancing variants (none, pid, sign, adamw, quantile:next, quantile:current).")
+    "variants", ["none", "quantile:next", "quantile:reroute", "adamw", "pid", "sign",
+     "quantile:current"],
+    "Balancing variants (none, pid, sign, adamw, quantile:next, quantile:reroute, "
+    "quantile:current).")
 _OUT = flags.DEFINE_string("out", None, "Write the counts to this JSON file.")
 flags.mark_flags_as_required(["config"])
 

@@ -72,7 +72,7 @@ _COMPILE_MESH = flags.DEFINE_string("compile_mesh", "2,2,8", "--predict_step: da
                                     "the fake-CPU mesh compiled (its product = fake devices).")
 _SEQS = flags.DEFINE_integer("seqs_per_device", 1, "--predict_step: sequences per device per step.")
 _VARIANTS = flags.DEFINE_list("balance_variants", None, "--predict_step: balancing variants "
-                              "(none, quantile:next, quantile:current, adamw, pid, sign); default "
+                              "(none, quantile:next, quantile:reroute, quantile:current, adamw, pid, sign); default "
                               "none and the config's.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "--predict_step: cache of the compiled steps' HLO "
                                "text (keyed by a hash of what is compiled); default none.")

@@ -241,7 +241,8 @@ def run(cfgs: BenchConfigs, *, steps: int, warmup: int, compare: bool = False,
 
 
 def parse_balance_variant(text: str) -> BalanceConfig:
-  """`"none"`, a `balance.mode`, or `"quantile:next"` / `"quantile:current"` -> BalanceConfig.
+  """`"none"`, a `balance.mode`, or `"quantile:next"` / `"quantile:reroute"` (next, with
+  `quantile_reroute`) / `"quantile:current"` -> BalanceConfig (other fields: the defaults).
 
   Raises:
     ValueError: an unknown variant (naming the accepted ones).
@@ -249,11 +250,16 @@ def parse_balance_variant(text: str) -> BalanceConfig:
   if text == "none":
     return BalanceConfig(enabled=False)
   mode, _, apply = text.partition(":")
+  kw = {"quantile_apply": apply} if apply else {}
+  if apply == "reroute":
+    kw = {"quantile_apply": "next", "quantile_reroute": True}
+  elif apply == "next":
+    kw["quantile_reroute"] = False
   try:
-    return BalanceConfig(mode=mode, **({"quantile_apply": apply} if apply else {}))
+    return BalanceConfig(mode=mode, **kw)
   except ValueError as e:
     raise ValueError(f"--compare_balance entry {text!r}: {e} (e.g. none, pid, sign, adamw, "
-                     "quantile:current, quantile:next)") from e
+                     "quantile:current, quantile:next, quantile:reroute)") from e
 
 
 def compare_balance(cfgs: BenchConfigs, variants: list[str], *, steps: int, warmup: int,

@@ -17,7 +17,10 @@ balancing; ZAYA1-8B report §II-A.2). Four rules (`balance.mode`):
               b <- b + (1 - ema) d + ki I. The EMA step alone lags a router that keeps
               drifting against the biases by a constant share; the integral (a type-2
               loop) removes that lag. The next steps are routed with the result, so the
-              rule is causal.
+              rule is causal. With `quantile_reroute` the histogram is read from this
+              batch's router inputs re-scored by the router *after* the optimizer update
+              (`zaya_jax.train.step.rerouted_probs`), i.e. as the next step's router will
+              score tokens: the biases then do not trail the router's own step.
               With `quantile_apply="current"` (opt-in, not causal) each layer solves exact
               biases from the batch it routes and routes that batch with them (even to a
               token every step, ~35 sequential all-reduces per class and sweep); the stored
