@@ -291,11 +291,14 @@ def test_changed_balancing_settings_are_named():
   import types
   from zaya_jax.checkpoint.compat import changed_balancing_settings
   from zaya_jax.config import BalanceConfig, TrainConfig
-  # The defaults: router_lr_scale 0.1, quantile_integral 0.15.
+  # The defaults: router_lr_scale 0.1, quantile_integral 0, quantile_reroute True.
   cfg = types.SimpleNamespace(train=TrainConfig(), balance=BalanceConfig())
-  saved = {"train": {"router_lr_scale": 0.1}, "balance": {"quantile_integral": 0.15}}
+  saved = {"train": {"router_lr_scale": 0.1},
+           "balance": {"quantile_integral": 0.0, "quantile_reroute": True}}
   assert changed_balancing_settings(saved, cfg) == []
   assert changed_balancing_settings({"train": {}, "balance": {}}, cfg) == [
-      "train.router_lr_scale 1.0 -> 0.1", "balance.quantile_integral 0.0 -> 0.15"]
-  saved["balance"]["quantile_integral"] = 0.3
-  assert changed_balancing_settings(saved, cfg) == ["balance.quantile_integral 0.3 -> 0.15"]
+      "train.router_lr_scale 1.0 -> 0.1", "balance.quantile_reroute False -> True"]
+  # a run saved between 2026-12-03 and 2026-12-06 (integral 0.15, no reroute field)
+  saved = {"train": {"router_lr_scale": 0.1}, "balance": {"quantile_integral": 0.15}}
+  assert changed_balancing_settings(saved, cfg) == [
+      "balance.quantile_integral 0.15 -> 0.0", "balance.quantile_reroute False -> True"]

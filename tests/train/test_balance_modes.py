@@ -141,7 +141,7 @@ def test_quantile_balances_a_skewed_router_within_five_steps():
   """The "quantile" rule (`quantile_apply="next"`: one histogram step per train step, EMA
   0.5) on a fixed skewed router over fresh tokens: without the integral
   (`quantile_integral=0`) from max/mean ~2.9 it is at the sampling noise by step 5 and stays
-  there. With the default `quantile_integral=0.15` it overshoots once while its integral
+  there. With `quantile_integral=0.15` (the default before `quantile_reroute`) it overshoots once while its integral
   winds up on the first large shifts and is at the same noise by step 10."""
   for ki, settled in ((0.0, 5), (0.15, 10)):
     mom, ent, _ = simulate(BalanceConfig(mode="quantile", quantile_integral=ki), steps=30)
@@ -312,8 +312,6 @@ def test_config_rejects_bad_mode_settings():
     BalanceConfig(adamw_eps=0.0)
   with pytest.raises(ConfigError, match="balance.quantile_reroute"):
     BalanceConfig(quantile_reroute=1)
-  with pytest.raises(ConfigError, match="quantile_apply"):
-    BalanceConfig(quantile_reroute=True, quantile_apply="current")
 
 
 # Balancing on meshes (multidevice: 8 fake CPU devices). For each mode ("quantile_current":
@@ -407,14 +405,17 @@ def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(mode):
 def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   """zaya1_tiny with `train.warmup_steps=1` (the setting that put every layer's tokens on
   one expert by step 10 under the old PID controller): by step 100 the default (causal)
-  balancing (`quantile`, EMA 0.5, `quantile_integral=0.15`, `train.router_lr_scale=0.1`)
-  holds the normalised entropy of every layer's load summed over the 16 steps 85-100 (32K
+  balancing (`quantile`, EMA 0.5, `quantile_reroute`, `train.router_lr_scale=0.1`; 0.9523 on
+  its worst layer on 2026-12-06, 0.990 with the previous default, `quantile_integral=0.15`
+  without the reroute) holds the normalised entropy of every layer's load summed over the 16 steps 85-100 (32K
   tokens) >= 0.95, on the 200-step schedule stopped at step 100 (issue 22 asks it by step
   200; stopping at 100 keeps the suite shorter, issue 24: 120 -> 100 steps on 2026-12-04,
   checked then to fail at step 100 on the previous default and on pid).
-  Measured 2026-12-03 on the 200-step CLI runs, lowest layer's window entropy for windows
-  ending at steps 100 / 120 / 160 / 200:
-    the default, seed 0: 0.987 / 0.989 / 0.978 / 0.997; seed 1: 0.952 / 0.962 / 0.914 / 0.986;
+  Measured on the 200-step CLI runs, lowest layer's window entropy for windows ending at
+  steps 100 / 120 / 160 / 200:
+    the default (2026-12-06), seed 0: 0.919 / 0.972 / 0.977 / 0.993; seed 1: 0.858 / 0.935 /
+      0.971 / 0.995 (the CLI's XLA flags differ from the suite's: another trajectory);
+    the 2026-12-03 default (no reroute, integral 0.15), seed 0: 0.987 / 0.989 / 0.978 / 0.997; seed 1: 0.952 / 0.962 / 0.914 / 0.986;
     the previous default (`quantile_integral=0`, `router_lr_scale=1`), seed 0: 0.793 / 0.893
       / 0.971 / 0.976; seed 1: 0.781 / 0.904 / 0.856 / 0.985: this test fails on it;
     `balance.mode="pid"` (the old controller, router_lr_scale 1), seed 0: 0.512 / 0.696 at steps

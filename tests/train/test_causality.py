@@ -29,7 +29,7 @@ from zaya_jax.train.step import batch_balance_of
 from tests.helpers import tiny_model_config
 
 B, T, EARLY = 4, 32, 16
-CAUSAL_MODES = [BalanceConfig(), BalanceConfig(quantile_reroute=True),
+CAUSAL_MODES = [BalanceConfig(), BalanceConfig(quantile_reroute=False, quantile_integral=0.15),
                 BalanceConfig(mode="adamw"), BalanceConfig(mode="pid"),
                 BalanceConfig(mode="sign"), BalanceConfig(enabled=False)]
 

@@ -212,8 +212,8 @@ class BalanceConfig:
   quantile_sweeps: int = 64  # "quantile": most coordinate sweeps over the classes per solve
   quantile_iters: int = 1  # "quantile" "next": histogram steps per train step (one all-reduce each)
   quantile_step: float = 1.0  # "quantile" "next": fraction of each histogram step taken
-  quantile_integral: float = 0.15  # "quantile" "next": gain on the running sum of the solved shifts (removes the lag behind a drifting router); 0 = the EMA step alone
-  quantile_reroute: bool = False  # "quantile" "next": take the histogram step on this batch re-scored by the router after the optimizer update (no lag behind the router's own step)
+  quantile_integral: float = 0.0  # "quantile" "next": gain on the running sum of the solved shifts (removes the lag behind a drifting router; without quantile_reroute 0.15 is the tuned value); 0 = the EMA step alone
+  quantile_reroute: bool = True  # "quantile" "next" ("current" ignores it): take the histogram step on this batch re-scored by the router after the optimizer update (no lag behind the router's own step)
   bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp
   skip_target: float | None = None  # target fraction of tokens skipping the experts; None/<0 = off
   router_z_loss: float = 0.0  # coefficient of the router z-loss added to the training loss
@@ -239,9 +239,6 @@ class BalanceConfig:
       raise ConfigError(f"balance.adamw_eps={self.adamw_eps!r} must be > 0 (e.g. 1e-8)")
     if not isinstance(self.quantile_reroute, bool):
       raise ConfigError(f"balance.quantile_reroute={self.quantile_reroute!r} must be True or False")
-    if self.quantile_reroute and self.quantile_apply == "current":
-      raise ConfigError("balance.quantile_reroute=True re-scores the batch after the update "
-                        "for the next steps: it needs balance.quantile_apply=\"next\"")
     if self.quantile_apply not in ("next", "current"):
       raise ConfigError(f"balance.quantile_apply={self.quantile_apply!r} must be \"next\" (solve "
                         "from this batch, route the next) or \"current\" (route this batch too)")

@@ -7,20 +7,22 @@ each train step's forward, `update_model_state` moves them from that step's rout
 whole global batch, for the next step (paper §2; DeepSeek-V3's "auxiliary-loss-free"
 balancing; ZAYA1-8B report §II-A.2). Four rules (`balance.mode`):
 
-  "quantile"  (default, `quantile_apply="next"`) every class's bias moves by minus the
-              quantile of its tokens' score gaps that would have given it its share of this
-              step's batch, read from one all-reduced histogram [L, X, 162]
-              (`zaya_jax.model.quantile.histogram_biases`; `quantile_iters` such steps, each
-              `quantile_step` of the way), mixed by the EMA `b <- ema * b + (1 - ema) *
-              solved`, plus `quantile_integral` ki (default 0.15) times the running sum I of the solved
-              shifts d = solved - b (I <- I + d, in the controller state's `integral`):
-              b <- b + (1 - ema) d + ki I. The EMA step alone lags a router that keeps
-              drifting against the biases by a constant share; the integral (a type-2
-              loop) removes that lag. The next steps are routed with the result, so the
-              rule is causal. With `quantile_reroute` the histogram is read from this
-              batch's router inputs re-scored by the router *after* the optimizer update
-              (`zaya_jax.train.step.rerouted_probs`), i.e. as the next step's router will
-              score tokens: the biases then do not trail the router's own step.
+  "quantile"  (default, `quantile_apply="next"`, `quantile_reroute`) every class's bias
+              moves by minus the quantile of its tokens' score gaps that would have given it
+              its share of this step's batch, read from one all-reduced histogram
+              [L, X, 162] (`zaya_jax.model.quantile.histogram_biases`; `quantile_iters` such
+              steps, each `quantile_step` of the way), mixed by the EMA
+              `b <- ema * b + (1 - ema) * solved`. With `quantile_reroute` (default) the
+              histogram is read from this batch's router inputs re-scored by the router
+              *after* the optimizer update (`zaya_jax.train.step.rerouted_probs`), i.e. as
+              the next step's router will score tokens: the biases then do not trail the
+              router's own step. Without it, the scores are the forward pass's (the router
+              before the update), and `quantile_integral` ki (0.15 was the tuned value
+              then; default 0) adds ki times the running sum I of the solved shifts
+              d = solved - b (I <- I + d, in the controller state's `integral`):
+              b <- b + (1 - ema) d + ki I, a type-2 loop against the constant lag of the
+              EMA step behind a drifting router. The next steps are routed with the
+              result, so the rule is causal.
               With `quantile_apply="current"` (opt-in, not causal) each layer solves exact
               biases from the batch it routes and routes that batch with them (even to a
               token every step, ~35 sequential all-reduces per class and sweep); the stored

@@ -267,7 +267,7 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     if balance_state is None:
       balance_state = balance_lib.init_balance_state(*counts_LX.shape)
     probs_LMX = aux.get("router_probs")
-    if cfg.mode == "quantile" and cfg.quantile_reroute:
+    if cfg.mode == "quantile" and cfg.quantile_apply == "next" and cfg.quantile_reroute:
       probs_LMX = rerouted_probs(graphdef, params, state.model_state, aux["router_inputs"])
     model_state, balance_state = balance_lib.update_model_state(
         cfg, state.model_state, balance_state, jax.lax.stop_gradient(counts_LX), finite,
