@@ -142,7 +142,14 @@ def test_balance_floor_cli(trained):
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "oracle (exact solve of the previous batch)" in proc.stdout, proc.stdout
-  assert "solved exactly on fit  on fit : 1.00 1.00" in proc.stdout, proc.stdout
+  # The exact solve routes its own fit set evenly up to +-1 token per expert where margins
+  # tie or the sweeps run out (`quantile_biases`): 33 / 32 = 1.03 at the 128 fit tokens over
+  # 4 experts; the stored biases on the same tokens are no better.
+  per_layer = lambda name: [float(x) for x in
+                            proc.stdout.split(name + " on fit :")[1].split("\n")[0].split()]
+  solved, stored = per_layer("solved exactly on fit "), per_layer("stored biases         ")
+  assert len(solved) == 2 and all(1.0 <= r <= 33 / 32 + 0.005 for r in solved), proc.stdout
+  assert max(solved) <= max(stored), proc.stdout
   assert "tokens whose gap is below that change" in proc.stdout, proc.stdout
   proc = subprocess.run([sys.executable, "-m", "launch.balance_floor", f"--workdir={workdir}",
                          "--step=99"], cwd=REPO, env=env, capture_output=True, text=True,
