@@ -43,7 +43,8 @@ _MATMUL = flags.DEFINE_integer("matmul_size", 2048, "n of the CPU peak matmul [n
                                lower_bound=1)
 _BALANCE = flags.DEFINE_list(
     "compare_balance", None, "Instead: time the step under these balancing variants in one "
-    "process (none, pid, sign, adamw, quantile:current, quantile:next, quantile:reroute), ratios to the first.")
+    "process (none, pid, sign, adamw, quantile:current, quantile:next, quantile:reroute), "
+    "ratios to the first.")
 _PROFILE = flags.DEFINE_integer("profile_steps", 0, "Also profile this many steps: op time by "
                                 "source function and the top ops.", lower_bound=0)
 _OUT = flags.DEFINE_string("out", None, "Write the figures to this JSON file.")

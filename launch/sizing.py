@@ -41,7 +41,7 @@ from ml_collections import config_flags
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.perf import predict, roofline
-from zaya_jax.perf.benchmark import parse_balance_variant
+from zaya_jax.perf.benchmark import balance_variant_name, parse_balance_variant
 from zaya_jax.parallel.mesh import use_cpu_devices
 from zaya_jax.parallel.accelerators import get_profile
 from zaya_jax.perf.gemm_table import GemmTable
@@ -72,7 +72,8 @@ _COMPILE_MESH = flags.DEFINE_string("compile_mesh", "2,2,8", "--predict_step: da
                                     "the fake-CPU mesh compiled (its product = fake devices).")
 _SEQS = flags.DEFINE_integer("seqs_per_device", 1, "--predict_step: sequences per device per step.")
 _VARIANTS = flags.DEFINE_list("balance_variants", None, "--predict_step: balancing variants "
-                              "(none, quantile:next, quantile:reroute, quantile:current, adamw, pid, sign); default "
+                              "(none, quantile:next, quantile:reroute, quantile:current, adamw, "
+                              "pid, sign); default "
                               "none and the config's.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "--predict_step: cache of the compiled steps' HLO "
                                "text (keyed by a hash of what is compiled); default none.")
@@ -124,8 +125,7 @@ def _predict(model_cfg, train_cfg, balance, profile) -> None:
           source=f"given: {_INTRA.value or net.intra_bandwidth / 1e9:g} GB/s intra-node, "
                  f"{_INTER.value or net.inter_bandwidth / 1e9:g} GB/s inter-node per device and "
                  f"direction; latency {_INTRA_LAT.value:g} / {_INTER_LAT.value:g} us per step")
-    default = ["none"] + ([f"{balance.mode}:{balance.quantile_apply}" if balance.mode == "quantile"
-                           else balance.mode] if balance.enabled else [])
+    default = ["none"] + ([balance_variant_name(balance)] if balance.enabled else [])
     variants = _VARIANTS.value or default
     for v in variants:
       parse_balance_variant(v)

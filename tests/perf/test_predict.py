@@ -13,7 +13,7 @@ from zaya_jax.config import synthetic_configs
 from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.parallel.mesh import make_mesh, use_mesh
 from zaya_jax.perf import predict
-from zaya_jax.perf.benchmark import parse_balance_variant
+from zaya_jax.perf.benchmark import balance_variant_name, parse_balance_variant
 from zaya_jax.perf.mesh_sweep import compile_train_step
 
 MESH = {"data": 2, "fsdp": 2, "expert": 2}  # device p = 4 data + 2 fsdp + expert
@@ -143,3 +143,18 @@ def check_hand_count(ops, model, batch, seq):
   o = forward[0]
   assert o.target_bytes == o.compile_bytes and (o.n, o.g) == (8, 1)
   assert o.seconds == pytest.approx(L * predict.collective_time("all-gather", o.compile_bytes, 8, 1, NET))
+
+
+def test_balance_variant_name_parses_back_to_the_config_balancing():
+  """`launch.sizing --predict_step` prices the config's own balancing by default: its name,
+  parsed back, is the same rule (mode, apply, reroute), also with the reroute off."""
+  from zaya_jax.config import BalanceConfig
+  for cfg, name in ((BalanceConfig(), "quantile:reroute"),
+                    (BalanceConfig(quantile_reroute=False), "quantile:next"),
+                    (BalanceConfig(quantile_apply="current"), "quantile:current"),
+                    (BalanceConfig(mode="adamw"), "adamw"), (BalanceConfig(enabled=False), "none")):
+    assert balance_variant_name(cfg) == name
+    back = parse_balance_variant(name)
+    assert (back.enabled, back.mode, back.quantile_apply) == (cfg.enabled, cfg.mode, cfg.quantile_apply)
+    if cfg.enabled and cfg.mode == "quantile" and cfg.quantile_apply == "next":
+      assert back.quantile_reroute == cfg.quantile_reroute

@@ -15,8 +15,9 @@ LAYER_TYPES = ("hybrid", "hybrid_sliding")  # full causal attention | sliding-wi
 SKIP_MODES = ("zero", "scaled_identity")  # transformers | Zyphra's original trainer (gate * x)
 DTYPES = ("float32", "bfloat16")
 ROUTER_INITS = ("fan_in", "normal")  # router MLP init: std 1/sqrt(fan_in) | initializer_range
+# field -> the op's implementations (or, for attention_backward, its backward passes)
 IMPLS = {"attention_impl": attention.IMPLS, "attention_backward": attention.BACKWARDS,
-         "routing_impl": route.IMPLS, "gmm_impl": grouped_matmul.IMPLS}  # field -> the op's implementations
+         "routing_impl": route.IMPLS, "gmm_impl": grouped_matmul.IMPLS}
 
 
 def _compute_only(default: Any) -> Any:

@@ -57,9 +57,7 @@ def dot_product_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Arra
   b, t, n, h = q_BTNH.shape
   k = k_BSKH.shape[2]
   q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-  logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
-                            preferred_element_type=jnp.float32) * scale
-  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
+  logits_BKGTS = _masked_logits(q_BTKGH, k_BSKH, mask_BTS, scale)
   probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
   out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
   return out_BTKGH.reshape(b, t, n, h)
@@ -101,8 +99,9 @@ def causal_block_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Arr
 
 def _masked_logits(q_BTKGH: jax.Array, k_BSKH: jax.Array, mask_BTS: jax.Array,
                    scale: float) -> jax.Array:
-  """float32 `[B, K, G, T, S]` logits of one query block, masked entries at the float32 minimum
-  (as in `dot_product_attention`)."""
+  """float32 `[B, K, G, T, S]` logits of queries `[B, T, K, G, H]` against keys `[B, S, K, H]`,
+  masked entries (`mask_BTS` false) at the float32 minimum: `dot_product_attention`'s and each
+  query block's of `causal_block_attention_recompute`."""
   logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
                             preferred_element_type=jnp.float32) * scale
   return jnp.where(mask_BTS[:, None, None], logits_BKGTS, _F32_MIN)

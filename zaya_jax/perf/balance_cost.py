@@ -2,10 +2,10 @@
 
 For every variant (`zaya_jax.perf.benchmark.parse_balance_variant`: "none", "pid", "sign",
 "adamw", "quantile:next", "quantile:reroute", "quantile:current") the real training step is
-compiled on a mesh from abstract inputs (`zaya_jax.perf.mesh_sweep.compile_train_step`: nothing is allocated, so
-ZAYA1-base compiles on fake CPU devices) and every collective of the compiled module is
-counted with its executions per step (ops inside the layer scan and other `while` loops times
-their trip counts, `zaya_jax.perf.hlo.collective_ops`). "none" (balancing off) still computes
+compiled on a mesh from abstract inputs (`zaya_jax.perf.mesh_sweep.compile_train_step`:
+nothing is allocated, so ZAYA1-base compiles on fake CPU devices) and every collective of the
+compiled module is counted with its executions per step (ops inside the layer scan and other
+`while` loops times their trip counts, `zaya_jax.perf.hlo.collective_ops`). "none" (balancing off) still computes
 the load metrics; a mode's *own* cost is its count minus none's.
 
 A `while` whose trip count is data-dependent (the in-batch solve of "quantile:current" stops

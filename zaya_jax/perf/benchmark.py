@@ -240,6 +240,17 @@ def run(cfgs: BenchConfigs, *, steps: int, warmup: int, compare: bool = False,
   return result
 
 
+def balance_variant_name(cfg: BalanceConfig) -> str:
+  """The `parse_balance_variant` name of a config's balancing: "none", the mode, or
+  "quantile:next" / "quantile:reroute" / "quantile:current"."""
+  if not cfg.enabled:
+    return "none"
+  if cfg.mode != "quantile":
+    return cfg.mode
+  return "quantile:" + ("reroute" if cfg.quantile_apply == "next" and cfg.quantile_reroute
+                        else cfg.quantile_apply)
+
+
 def parse_balance_variant(text: str) -> BalanceConfig:
   """`"none"`, a `balance.mode`, or `"quantile:next"` / `"quantile:reroute"` (next, with
   `quantile_reroute`) / `"quantile:current"` -> BalanceConfig (other fields: the defaults).

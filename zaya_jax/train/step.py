@@ -60,6 +60,13 @@ def batch_balance_of(cfg: BalanceConfig | None) -> BatchBalance | None:
   return BatchBalance(cfg.skip_target, cfg.quantile_sweeps)
 
 
+def reroutes(cfg: BalanceConfig | None) -> bool:
+  """True when the step re-scores its batch with the updated router (`balance.quantile_reroute`
+  with "quantile" and `quantile_apply="next"`; "current" ignores the setting)."""
+  return (cfg is not None and cfg.enabled and cfg.mode == "quantile"
+          and cfg.quantile_apply == "next" and cfg.quantile_reroute)
+
+
 def _forward(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, batch: Batch,
              batch_balance: BatchBalance | None = None):
   """`(loss_sum, tokens, aux)` of the model on one batch (aux: expert_counts [L, X],
@@ -126,7 +133,7 @@ def rerouted_probs(graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.S
         lambda path, x: jax.lax.with_sharding_constraint(x, replicated)
         if "router" in path else x, params)
   model = nnx.merge(graphdef, params, model_state, copy=True)
-  return jax.lax.stop_gradient(model.router_probs(jax.lax.stop_gradient(inputs_LMD)))
+  return model.router_probs(jax.lax.stop_gradient(inputs_LMD))
 
 
 def micro_batches(batch: Batch, num_micro: int) -> Batch:
@@ -165,7 +172,7 @@ def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceCon
   grad_fn = jax.value_and_grad(_objective, argnums=1, has_aux=True)
   need_probs = cfg is not None and cfg.enabled and cfg.mode == "quantile" and (
       cfg.quantile_apply == "next")
-  need_inputs = need_probs and cfg.quantile_reroute
+  need_inputs = reroutes(cfg)
   if num_micro == 1:
     (objective, (loss_sum, aux, router)), grads = grad_fn(
         graphdef, params, model_state, batch, cfg, total, 1.0)
@@ -186,7 +193,8 @@ def _loss_and_grads(graphdef, params, model_state, batch: Batch, cfg: BalanceCon
              "router_entropy": aux["router_entropy"] * weight,
              "routing_biases": aux["routing_biases"] / num_micro,
              **{k: v * weight for k, v in router.items()}}
-    per_token = {k: aux[k] for k in ("router_probs",) * need_probs + ("router_inputs",) * need_inputs}
+    per_token = {k: aux[k] for k in ("router_probs",) * need_probs
+                 + ("router_inputs",) * need_inputs}
     return (parts, grads), per_token
 
   def body(carry, micro):
@@ -267,7 +275,7 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     if balance_state is None:
       balance_state = balance_lib.init_balance_state(*counts_LX.shape)
     probs_LMX = aux.get("router_probs")
-    if cfg.mode == "quantile" and cfg.quantile_apply == "next" and cfg.quantile_reroute:
+    if reroutes(cfg):
       probs_LMX = rerouted_probs(graphdef, params, state.model_state, aux["router_inputs"])
     model_state, balance_state = balance_lib.update_model_state(
         cfg, state.model_state, balance_state, jax.lax.stop_gradient(counts_LX), finite,
