@@ -53,3 +53,15 @@ def test_windowed_load_sums_blocks_of_steps_before_the_ratio(tmp_path):
   assert 0.5 < ent <= 1.0
   with pytest.raises(ValueError, match="one window"):
     balance_report.windowed(loads[:3], 4)
+
+
+def test_errors_name_the_flag_and_the_fix(tmp_path):
+  """A missing run names launch.balance_report's own flag (--workdirs, not launch.plot's
+  --workdir); a window the run did not log says how to pick one it did."""
+  with pytest.raises(FileNotFoundError, match=r"^--workdirs='.*nope' has no metrics.jsonl"):
+    balance_report.summarize(str(tmp_path / "nope"), first=1, last=2, entropy_steps=(),
+                             window_steps=1)
+  write_run(tmp_path / "run", np.ones((5, 2, 3)))
+  with pytest.raises(ValueError, match=r"steps 200-400; .* or give --first/--last inside"):
+    balance_report.summarize(str(tmp_path / "run"), first=200, last=400, entropy_steps=(),
+                             window_steps=1)

@@ -69,6 +69,10 @@ def test_timings_and_train_steps_hold_measured_values(cpu_run):
   assert steps["on"]["attention_impl"] == "pallas" and steps["off"]["attention_impl"] == "xla"
   for t in steps.values():
     assert t["tokens_per_s"] > 0 and 0 < t["mfu"] < 1 and math.isfinite(t["loss"])
+  # Both rows divide by one peak, so their MFU ratio is their tokens/s ratio.
+  assert steps["on"]["peak_flops"] == steps["off"]["peak_flops"]
+  assert steps["on"]["mfu"] / steps["off"]["mfu"] == pytest.approx(
+      steps["on"]["tokens_per_s"] / steps["off"]["tokens_per_s"], rel=1e-9)
   # Same init, same batch: the kernels change the loss only by rounding.
   assert abs(steps["on"]["loss"] - steps["off"]["loss"]) < 0.05 * abs(steps["off"]["loss"])
   assert "Train step" in stdout and "Timings" in stdout

@@ -72,3 +72,16 @@ def test_print_config_help_and_override_typo():
                                  "in train; did you mean 'lr'?")
   no_workdir = _run("launch.train", "--config=configs/zaya1_tiny.py")
   assert no_workdir.returncode != 0 and "--workdir=DIR is required" in no_workdir.stderr
+  assert len(no_workdir.stderr.strip().splitlines()) == 1, no_workdir.stderr
+  # A value of the wrong type names the flag and the type, on one line (absl's raw text was
+  # "('Non-boolean argument to boolean flag', 'maybe')" and a second "See --help." line).
+  key = "--config.balance.quantile_reroute"
+  mistyped = _run("launch.train", "--config=configs/zaya1_tiny.py", "--workdir=/nonexistent/x",
+                  f"{key}=maybe")
+  assert mistyped.returncode != 0
+  assert mistyped.stderr.strip() == (f"invalid flags: {key}=maybe: the value must be True or "
+                                     f"False, e.g. {key}=True")
+  steps = _run("launch.train", "--config=configs/zaya1_tiny.py", "--workdir=/nonexistent/x",
+               "--config.train.num_steps=abc")
+  assert steps.stderr.strip() == ("invalid flags: --config.train.num_steps=abc: the value must "
+                                  "be an integer, e.g. --config.train.num_steps=100")

@@ -81,13 +81,14 @@ def summarize(workdir: str, first: int = 200, last: int = 400,
     FileNotFoundError: no metrics.jsonl; ValueError: no train record with the balance
       metrics in the window.
   """
-  records = metrics.read_metrics(workdir)
+  records = metrics.read_metrics(workdir, flag="--workdirs")
   train = {r["step"]: r for r in records
            if r.get("kind") == "train" and r.get("balance/max_over_mean") is not None}
   window = [train[s] for s in sorted(train) if first <= s <= last]
   if not window:
     raise ValueError(f"{workdir}: no train records with balance metrics in steps "
-                     f"{first}-{last}; train with --config.train.log_every=1 for >= {first} steps")
+                     f"{first}-{last}; train with --config.train.log_every=1 for >= {first} steps, "
+                     "or give --first/--last inside the steps the run logged")
   mom = _per_layer(window, "balance/max_over_mean")
   entropy = {}
   for step in entropy_steps:

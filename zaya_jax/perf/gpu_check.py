@@ -265,7 +265,8 @@ KERNELS_OFF = dict(attention_impl="xla", routing_impl="xla", gmm_impl="auto")
 
 def train_steps(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int,
                 label: str, matmul_size: int, log: Callable[[str], None]) -> list[dict]:
-  """`benchmark` of `cfgs` (2 layers, bfloat16) with the kernels off, then on."""
+  """`benchmark` of `cfgs` (2 layers, bfloat16) with the kernels off, then on; without an
+  accelerator profile both rows' MFU divide by the larger of their two measured matmul peaks."""
   model = cfgs.model.replace(num_layers=2, layer_types=("hybrid", "hybrid"), dtype="bfloat16")
   rows = []
   for setting, impls in (("off", KERNELS_OFF), ("on", KERNELS_ON)):
@@ -277,6 +278,14 @@ def train_steps(cfgs: BenchConfigs, *, batch_size: int, seq_len: int, steps: int
                  "seq_len": seq_len, **{k: r[k] for k in (
                      "compile_s", "step_s", "tokens_per_s", "flops_per_token", "achieved_flops",
                      "peak_flops", "peak_source", "mfu", "loss")}})
+  # On a host without a peak profile each benchmark timed its own matmul peak, and one timing
+  # on shared cores can come out at half the other: both rows divide by the larger one, so
+  # their MFUs compare as their tokens/s do.
+  if all(r["peak_source"].startswith("measured") for r in rows):
+    peak = max(r["peak_flops"] for r in rows)
+    for r in rows:
+      r["peak_flops"], r["mfu"] = peak, r["achieved_flops"] / peak
+      r["peak_source"] += " (the larger of the two rows' timings)"
   return rows
 
 

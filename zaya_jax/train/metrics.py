@@ -229,8 +229,9 @@ class MetricsWriter:
       self._tb = None
 
 
-def read_metrics(workdir: str) -> list[dict[str, Any]]:
+def read_metrics(workdir: str, flag: str = "--workdir") -> list[dict[str, Any]]:
   """The records of `workdir/metrics.jsonl` in file order (a line cut short is skipped).
+  `flag`: the command-line flag that gave `workdir`, named in the error.
 
   Raises:
     FileNotFoundError: no metrics.jsonl in `workdir`.
@@ -238,7 +239,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
   path = os.path.join(workdir, METRICS_FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(
-        f"--workdir={workdir!r} has no {METRICS_FILE}: pass the --workdir of a launch.train "
+        f"{flag}={workdir!r} has no {METRICS_FILE}: pass the --workdir of a launch.train "
         "run (it writes metrics.jsonl there from its first log step).")
   records = []
   with open(path, encoding="utf-8") as f:
