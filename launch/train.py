@@ -79,22 +79,6 @@ def override_error(argv: list[str], error: Exception) -> str:
   return f"invalid config override: {text}"
 
 
-def flag_error(error: Exception) -> str:
-  """One line for a flag absl rejected: a `--flag=value` whose value does not parse says the
-  type it needs (`--config.balance.quantile_reroute=maybe: the value must be True or False,
-  e.g. ...=True`); anything else is absl's message flattened, with `see --help`."""
-  text = " ".join(str(error).split())
-  m = re.match(r"flag (--[\w.]+)=(.*?): (.*)$", text)
-  if m:
-    flag, value, why = m.groups()
-    for needle, kind, example in (("Non-boolean", "True or False", "True"),
-                                  ("int()", "an integer", "100"),
-                                  ("to float", "a number", "3e-4")):
-      if needle in why:
-        return f"invalid flags: {flag}={value}: the value must be {kind}, e.g. {flag}={example}"
-  return f"invalid flags: {text} (see --help)"
-
-
 def parse_flags(argv):
   """absl flag parsing, with a missing --config file or a misspelt or mistyped `--config.*`
   override as one line; a missing --workdir (without --print_config) is a usage error."""
@@ -104,7 +88,7 @@ def parse_flags(argv):
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
-    sys.exit(flag_error(e))
+    sys.exit(cli_paths.flag_error(e))
   except (KeyError, AttributeError, TypeError, ValueError) as e:  # raised by config_flags
     sys.exit(override_error(argv, e))
   if _WORKDIR.value is None and not _PRINT_CONFIG.value:

@@ -13,6 +13,7 @@ it the first `os.makedirs` deep inside the run raised a 37-line traceback.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -90,6 +91,22 @@ def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) ->
       return where + ("; pass a directory you can write to (or remount it read-write)"
                       if read_only else "; pass a directory you can write to")
   return None
+
+
+def flag_error(error: Exception) -> str:
+  """One line for a flag absl rejected: a `--flag=value` whose value does not parse says the
+  type it needs (`--config.balance.quantile_reroute=maybe: the value must be True or False,
+  e.g. ...=True`); anything else is absl's message flattened, with `see --help`."""
+  text = " ".join(str(error).split())
+  m = re.match(r"flag (--[\w.]+)=(.*?): (.*)$", text)
+  if m:
+    flag, value, why = m.groups()
+    for needle, kind, example in (("Non-boolean", "True or False", "True"),
+                                  ("int()", "an integer", "100"),
+                                  ("to float", "a number", "3e-4")):
+      if needle in why:
+        return f"invalid flags: {flag}={value}: the value must be {kind}, e.g. {flag}={example}"
+  return f"invalid flags: {text} (see --help)"
 
 
 def parse_flags(argv: list[str]) -> list[str]:
