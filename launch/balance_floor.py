@@ -41,6 +41,9 @@ _FIT = flags.DEFINE_integer("fit_batches", 0, "Training batches to solve one fix
 _TEST = flags.DEFINE_integer("test_batches", 32, "Training batches after the fit ones to route "
                              "with it.", lower_bound=1)
 _EVAL = flags.DEFINE_integer("eval_batches", 32, "Held-out batches to route with it.", lower_bound=1)
+_WINDOW = flags.DEFINE_integer("window", 16, "Steps per block of the windowed figures (as "
+                               "launch.balance_report --window); printed when --batches - 1 "
+                               "covers one block.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "Write the per-step figures to this JSON file.")
 flags.mark_flags_as_required(["workdir"])
 
@@ -51,7 +54,7 @@ def main(argv):
   try:
     ckpt_dir, step, saved = find_run_checkpoint(_WORKDIR.value, _STEP.value)
     cfg = run_config_of(saved)
-    r = balance_floor(cfg, ckpt_dir, step, _BATCHES.value, _SKIP.value)
+    r = balance_floor(cfg, ckpt_dir, step, _BATCHES.value, _SKIP.value, _WINDOW.value)
     if _FIT.value:
       r["fixed_bias"] = fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=_FIT.value,
                                          test_batches=_TEST.value, eval_batches=_EVAL.value,
@@ -64,6 +67,12 @@ def main(argv):
         f"histogram rule {r['median_histogram']:.3f} | stored biases {r['median_stored']:.3f}; "
         f"the rule's update moves {100 * r['median_churn']:.2f}% of a batch's (token, layer) "
         "routings to another class (median)")
+  if "window_oracle" in r:
+    print(f"loads summed over blocks of {_WINDOW.value} steps, median worst-layer max/mean: "
+          f"oracle {r['window_oracle']:.3f} | histogram rule {r['window_histogram']:.3f} | "
+          f"stored biases {r['window_stored']:.3f} (median lowest-layer H/ln E "
+          f"{r['window_entropy_oracle']:.4f} / {r['window_entropy_histogram']:.4f} / "
+          f"{r['window_entropy_stored']:.4f})")
   if _FIT.value:
     fit_at = _SKIP.value + _BATCHES.value
     sets = {"fit": f"training batches {fit_at + 1}-{fit_at + _FIT.value}",

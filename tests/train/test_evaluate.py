@@ -105,13 +105,18 @@ def test_fixed_bias_floor_equals_evaluate_and_solves_its_fit_set(trained):
   # The per-step floor from batch STEPS + 2 on (the first batch routed gives no figure) has
   # "stored" figures for batches STEPS + 3 and + 4: the worst layers of fixed_bias_floor's "test"
   # batch and of a one-batch fit set after it.
-  per_step = balance_floor(cfg, ckpt_dir, step, num_batches=3, start_batch=STEPS + 2)
+  per_step = balance_floor(cfg, ckpt_dir, step, num_batches=3, start_batch=STEPS + 2, window=1)
   after = fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=1, test_batches=1, eval_batches=1,
                            skip_batches=STEPS + 4)
   assert per_step["stored"] == [pytest.approx(max(got["stored"]["test"]), rel=1e-6),
                                 pytest.approx(max(after["stored"]["fit"]), rel=1e-6)], (
       per_step, got, after)
   assert per_step["oracle"][0] >= 1.0 and 0.0 <= per_step["churn"][0] <= 1.0
+  # Blocks of one step: the windowed figures (numpy, balance_report.windowed) are the medians
+  # of the per-step ones (jnp, load_stats).
+  for name in ("oracle", "histogram", "stored"):
+    assert per_step[f"window_{name}"] == pytest.approx(per_step[f"median_{name}"], rel=1e-6)
+    assert 0.0 < per_step[f"window_entropy_{name}"] <= 1.0
   assert len(per_step["bias_step"]) == len(got["margins"]["gap_median"]) > 0
   assert all(x > 0 for x in per_step["bias_step"]), per_step["bias_step"]  # the rule moved them
   with pytest.raises(ValueError, match="fit_batches=0"):
@@ -138,10 +143,13 @@ def test_balance_floor_cli(trained):
   workdir, _ = trained
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-m", "launch.balance_floor", f"--workdir={workdir}",
-                         "--batches=2", "--fit_batches=2", "--test_batches=1", "--eval_batches=1"],
+                         "--batches=2", "--fit_batches=2", "--test_batches=1", "--eval_batches=1",
+                          "--window=1"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "oracle (exact solve of the previous batch)" in proc.stdout, proc.stdout
+  assert "loads summed over blocks of 1 steps, median worst-layer max/mean: oracle" in \
+      proc.stdout, proc.stdout
   # The exact solve routes its own fit set evenly up to +-1 token per expert where margins
   # tie or the sweeps run out (`quantile_biases`): 33 / 32 = 1.03 at the 128 fit tokens over
   # 4 experts; the stored biases on the same tokens are no better.

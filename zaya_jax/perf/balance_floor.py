@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from zaya_jax.checkpoint import restore_model_state
@@ -47,6 +48,7 @@ from zaya_jax.data import make_eval_batches, make_train_iterator
 from zaya_jax.model.quantile import quantile_biases, route_counts
 from zaya_jax.parallel.context import in_context_order
 from zaya_jax.parallel.mesh import abstract_with_shardings, make_mesh, use_mesh
+from zaya_jax.perf.balance_report import windowed
 from zaya_jax.train.balance import get_biases, init_balance_state, load_stats, quantile_step
 from zaya_jax.train.setup import setup_training
 
@@ -159,7 +161,7 @@ def fixed_bias_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, *, fit_bat
 
 
 def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: int,
-                  start_batch: int = 0) -> dict[str, Any]:
+                  start_batch: int = 0, window: int = 16) -> dict[str, Any]:
   """Per-step worst-layer max/mean of batches 1 .. num_batches-1 (module docstring).
 
   Args:
@@ -167,9 +169,15 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
     ckpt_dir, step: the run's checkpoints directory and step (None: latest).
     num_batches: S >= 2 training batches read from the start of the data order (after
       skipping `start_batch`).
+    window: steps per block of the windowed figures (`launch.balance_report --window`).
 
   Returns:
     {"oracle": [S-1], "histogram": [S-1], "stored": [S-1], and "median_<name>" of each;
+    when S-1 >= window, "window_<name>" of each: the median over consecutive blocks of
+    `window` steps of the worst layer's max/mean of the block's summed loads
+    (`zaya_jax.perf.balance_report.windowed`: what `launch.balance_report` reports for a
+    training run, here with the model frozen), and "window_entropy_<name>" (the median
+    lowest-layer H/ln E of the same blocks);
     "churn" [S] and "median_churn": per batch, the fraction of its (token, layer) pairs that
     the histogram rule's update after it moves to another class, the model fixed;
     "bias_step": [L], per layer the median |change| of an expert's bias in those updates}.
@@ -190,6 +198,7 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
       next(it)
     bal = cfg.balance
     out: dict[str, list[float]] = {"oracle": [], "histogram": [], "stored": []}
+    loads: dict[str, list[Any]] = {name: [] for name in out}  # per step [L, X] counts
     churn: list[float] = []
     steps_SLE = []
     prev = None
@@ -198,16 +207,21 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
       probs, valid = probs_of(next(it))
       if prev is not None:
         solved = exact(prev[0], prev[1], stored_LX, bal.skip_target, bal.quantile_sweeps)
-        out["oracle"].append(worst_max_over_mean(counts(probs, valid, solved)))
-        out["histogram"].append(worst_max_over_mean(counts(probs, valid, b_hist)))
-        out["stored"].append(worst_max_over_mean(counts(probs, valid, stored_LX)))
+        for name, b_LX in (("oracle", solved), ("histogram", b_hist), ("stored", stored_LX)):
+          loads[name].append(jax.device_get(counts(probs, valid, b_LX)))
+          out[name].append(worst_max_over_mean(loads[name][-1]))
       b_next, controller = rule(b_hist, controller, probs, valid)
       # Tokens of this batch that the rule's next biases send to another class (model fixed).
       churn.append(float(_moved_fraction(probs, valid, b_hist, b_next)))
       steps_SLE.append(jnp.abs(b_next - b_hist)[:, :-1])
       b_hist, prev = b_next, (probs, valid)
   steps_LN = jnp.stack(steps_SLE, axis=1).reshape(stored_LX.shape[0], -1)
-  return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()},
+  windows: dict[str, float] = {}
+  if num_batches - 1 >= window:
+    for name, per_step in loads.items():
+      windows[f"window_{name}"], windows[f"window_entropy_{name}"] = windowed(
+          np.stack(per_step), window)
+  return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()}, **windows,
           "churn": churn, "median_churn": statistics.median(churn),
           "bias_step": [float(x) for x in jnp.median(steps_LN, axis=-1)]}
 
