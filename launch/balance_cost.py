@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from zaya_jax.config import ConfigError
+from zaya_jax.config import ConfigError, cli_paths
 from zaya_jax.logs import quiet_third_party
 from zaya_jax.perf import balance_cost, benchmark
 
@@ -53,7 +53,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-balance-cost` (pyproject.toml): as `python -m launch.balance_cost`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import sys
 from absl import app, flags
 
 from zaya_jax.checkpoint import find_run_checkpoint
-from zaya_jax.config import ConfigError
+from zaya_jax.config import ConfigError, cli_paths
 from zaya_jax.logs import quiet_third_party
 from zaya_jax.perf.balance_floor import balance_floor, fixed_bias_floor
 from zaya_jax.train.evaluate import run_config_of
@@ -100,7 +100,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-balance-floor` (pyproject.toml): as `python -m launch.balance_floor`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

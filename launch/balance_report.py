@@ -12,6 +12,7 @@ import sys
 
 from absl import app, flags
 
+from zaya_jax.config import cli_paths
 from zaya_jax.perf import balance_report
 from zaya_jax.logs import quiet_third_party
 
@@ -41,7 +42,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-balance-report` (pyproject.toml): the same as `python -m launch.balance_report`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 
 from absl import app, flags
 
+from zaya_jax.config import cli_paths
 from zaya_jax.parallel import accelerators
 from zaya_jax.perf import memory
 from pallas_kernels.timing import host_description
@@ -63,7 +64,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-bench-memory` (pyproject.toml): the same as `python -m launch.bench_memory`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

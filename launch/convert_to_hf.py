@@ -19,6 +19,7 @@ import sys
 
 from absl import app, flags
 
+from zaya_jax.config import cli_paths
 from zaya_jax.convert import ConvertError, runs
 from zaya_jax.logs import quiet_third_party
 
@@ -50,7 +51,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-convert-to-hf` (pyproject.toml): the same as `python -m launch.convert_to_hf`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

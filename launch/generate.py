@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from zaya_jax.config import cli_paths
 from zaya_jax.convert import ConvertError, load_pretrained, runs
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from zaya_jax.generate import generate
@@ -124,7 +125,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-generate` (pyproject.toml): the same as `python -m launch.generate`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 from absl import app, flags
 
 from configs import zaya1_base, zaya1_tiny
-from zaya_jax.config import ConfigError, synthetic_configs
+from zaya_jax.config import ConfigError, cli_paths, synthetic_configs
 from zaya_jax.logs import quiet_third_party
 from zaya_jax.perf import gpu_check
 from zaya_jax.perf.benchmark import BenchConfigs
@@ -53,7 +53,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-gpu-check` (pyproject.toml): the same as `python -m launch.gpu_check`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

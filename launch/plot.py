@@ -9,6 +9,7 @@ import sys
 
 from absl import app, flags
 
+from zaya_jax.config import cli_paths
 from zaya_jax.perf import run_plots
 from zaya_jax.logs import quiet_third_party
 
@@ -33,7 +34,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-plot` (pyproject.toml): the same as `python -m launch.plot`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 
 from absl import app, flags, logging
 
+from zaya_jax.config import cli_paths
 from zaya_jax.data import prepare as prepare_lib
 from zaya_jax.logs import quiet_third_party
 
@@ -68,7 +69,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-prepare-data` (pyproject.toml): same as `python -m launch.prepare_data`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import sys
 from absl import app, flags
 
 from zaya_jax.checkpoint import reshape
+from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
@@ -55,7 +56,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-reshape-checkpoint` (pyproject.toml): the same as `python -m launch.reshape_checkpoint`."""
-  app.run(main)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Bad input to the entry points is one line, through the CLI (issue 23): a missing --config
-file, a read-only --workdir, a run shorter than its warm-up. Every run here fails (or warns)
+file, a read-only --workdir, a run shorter than its warm-up, absl's own flag errors (a mistyped
+value, an unknown or missing flag) in the entry points. Every run here fails (or warns)
 before a train step is compiled, so each takes the seconds of importing JAX."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from absl import flags as absl_flags
 
 from tests.helpers import MODEL_OVERRIDES, REPO
-from zaya_jax.config.cli_paths import config_file_problem
+from zaya_jax.config.cli_paths import config_file_problem, flag_error
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
@@ -142,3 +144,36 @@ def test_short_run_clamps_the_warm_up_with_one_warning(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == (
       f"invalid config: --workdir={tmp_path / 'file'} exists and is not a directory; pass a "
       "directory path"), proc.stderr[-3000:]
+
+
+# --- absl's own flag errors, in every entry point ------------------------------------------
+
+def test_flag_error_lines():
+  """`flag_error` on the messages absl raises (absl.flags 2.x wording)."""
+  values = absl_flags.FlagValues()
+  absl_flags.DEFINE_integer("batches", 64, "n", flag_values=values)
+  absl_flags.DEFINE_string("workdir", None, "dir", flag_values=values)
+  absl_flags.mark_flag_as_required("workdir", flag_values=values)
+  errors = []
+  for argv in (["prog", "--batches=abc", "--workdir=x"], ["prog"],
+               ["prog", "--nope=1", "--workdir=x"]):
+    with pytest.raises(absl_flags.Error) as e:
+      values(argv)
+    errors.append(flag_error(e.value))
+  assert errors == ["invalid flags: --batches=abc: the value must be an integer, e.g. "
+                    "--batches=100",
+                    "invalid flags: --workdir is required, e.g. --workdir=... (see --help)",
+                    "invalid flags: Unknown command line flag 'nope' (see --help)"]
+
+
+@pytest.mark.slow
+def test_entry_points_without_a_config_flag_say_a_bad_flag_in_one_line():
+  """Entry points with no --config (launch.balance_floor, launch.plot, launch.generate) parse
+  through `cli_paths.parse_flags` too: one line, status 1, not absl's `FATAL Flags parsing
+  error` and usage hint."""
+  assert _one_line(_run("launch.balance_floor", "--workdir=/tmp/x", "--batches=abc")) == (
+      "invalid flags: --batches=abc: the value must be an integer, e.g. --batches=100")
+  assert _one_line(_run("launch.plot")) == (
+      "invalid flags: --workdir is required, e.g. --workdir=... (see --help)")
+  assert _one_line(_run("launch.generate", "--temprature=0.8")).startswith(
+      "invalid flags: Unknown command line flag 'temprature'")

@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Sequence
 
-from absl import app
+from absl import flags
 
 
 def config_flag_value(argv: Sequence[str], name: str = "config") -> str | None:
@@ -96,8 +96,12 @@ def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) ->
 def flag_error(error: Exception) -> str:
   """One line for a flag absl rejected: a `--flag=value` whose value does not parse says the
   type it needs (`--config.balance.quantile_reroute=maybe: the value must be True or False,
-  e.g. ...=True`); anything else is absl's message flattened, with `see --help`."""
+  e.g. ...=True`), a required flag left out says so (`--workdir is required, e.g.
+  --workdir=...`); anything else is absl's message flattened, with `see --help`."""
   text = " ".join(str(error).split())
+  missing = re.match(r"flag (--[\w.]+)=None: Flag --[\w.]+ must have a value other than None", text)
+  if missing:
+    return f"invalid flags: {missing.group(1)} is required, e.g. {missing.group(1)}=... (see --help)"
   m = re.match(r"flag (--[\w.]+)=(.*?): (.*)$", text)
   if m:
     flag, value, why = m.groups()
@@ -110,10 +114,15 @@ def flag_error(error: Exception) -> str:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """`absl.app`'s default flag parsing (usage on a bad flag), after `config_file_problem`:
-  pass as `app.run(main, flags_parser=parse_flags)`. Exits with `invalid flags: ...` (one
-  line, status 1) if the --config file cannot be loaded."""
+  """absl's flag parsing for an entry point: pass as `app.run(main, flags_parser=parse_flags)`.
+  Exits with `invalid flags: ...` (one line, status 1) if the --config file cannot be loaded
+  (`config_file_problem`) or absl rejects a flag (`flag_error`: an unknown flag, a value of
+  the wrong type, a missing required flag) instead of absl's two-line `FATAL Flags parsing
+  error` and usage hint."""
   problem = config_file_problem(argv)
   if problem:
     sys.exit(f"invalid flags: {problem}")
-  return app.parse_flags_with_usage(argv)
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(flag_error(e))
