@@ -21,6 +21,7 @@ import sys
 import jax
 from absl import app, flags
 
+from zaya_jax.config import cli_paths
 from zaya_jax.parallel import distributed
 from zaya_jax.parallel.mesh import use_cpu_devices
 from pallas_kernels import timing
@@ -48,14 +49,6 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's rank in [0, num_processes).")
 flags.mark_flags_as_required(["out"])
-
-
-def parse_flags(argv):
-  """absl flag parsing, with a malformed flag reported as one line."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    sys.exit(f"invalid flags: {e}\nSee --help.")
 
 
 def main(argv):
@@ -88,7 +81,7 @@ def main(argv):
 
 def run_main():
   """Console script `zaya-bench-collectives` (pyproject.toml): the same as `python -m launch.bench_collectives`."""
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli_paths.parse_flags)
 
 
 if __name__ == "__main__":
