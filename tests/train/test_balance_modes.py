@@ -404,22 +404,25 @@ def test_counts_and_biases_equal_on_meshes_and_with_grad_accumulation(mode):
 @pytest.mark.usefixtures("default_xla_optimizations")  # 100 steps: -O2 runs a step 2.5x faster
 def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   """zaya1_tiny with `train.warmup_steps=1` (the setting that put every layer's tokens on
-  one expert by step 10 under the old PID controller): by step 100 the default (causal)
-  balancing (`quantile`, EMA 0.5, `quantile_reroute`, `train.router_lr_scale=0.1`; 0.9523 on
-  its worst layer on 2026-12-06, 0.990 with the previous default, `quantile_integral=0.15`
-  without the reroute) holds the normalised entropy of every layer's load summed over the 16 steps 85-100 (32K
-  tokens) >= 0.95, on the 200-step schedule stopped at step 100 (issue 22 asks it by step
-  200; stopping at 100 keeps the suite shorter, issue 24: 120 -> 100 steps on 2026-12-04,
-  checked then to fail at step 100 on the previous default and on pid).
+  one expert by step 10 under the old PID controller): by step 200 the default (causal)
+  balancing (`quantile`, EMA 0.5, `quantile_reroute`, `train.router_lr_scale=0.1`) holds the
+  normalised entropy of every layer's load summed over the 16 steps 185-200 (32K tokens)
+  >= 0.95 (issue 22's target). Until 2026-12-06 the test stopped at step 100 to keep the
+  suite short (issue 24) and asserted the same of steps 85-100: the default passed there
+  with 0.9523 on its worst layer on one CPU and failed with 0.920 on another (the
+  trajectory is chaotic, and the CLI runs below are under 0.95 at step 100 too), so the
+  test runs the whole 200-step schedule and checks the target itself.
   Measured on the 200-step CLI runs, lowest layer's window entropy for windows ending at
   steps 100 / 120 / 160 / 200:
     the default (2026-12-06), seed 0: 0.919 / 0.972 / 0.977 / 0.993; seed 1: 0.858 / 0.935 /
       0.971 / 0.995 (the CLI's XLA flags differ from the suite's: another trajectory);
     the 2026-12-03 default (no reroute, integral 0.15), seed 0: 0.987 / 0.989 / 0.978 / 0.997; seed 1: 0.952 / 0.962 / 0.914 / 0.986;
     the previous default (`quantile_integral=0`, `router_lr_scale=1`), seed 0: 0.793 / 0.893
-      / 0.971 / 0.976; seed 1: 0.781 / 0.904 / 0.856 / 0.985: this test fails on it;
+      / 0.971 / 0.976; seed 1: 0.781 / 0.904 / 0.856 / 0.985 (it failed the step-100 check and
+      passes this one: the slower recovery is the README's to report, not this test's);
     `balance.mode="pid"` (the old controller, router_lr_scale 1), seed 0: 0.512 / 0.696 at steps
-      100 / 120: it fails.
+      100 / 120.
+  With balancing off every layer's load stays on one expert (entropy ~0): the test fails.
   A causal rule's per-step load carries the batch-to-batch noise of 8 rows
   (`launch.balance_floor`), so the window is the measure (issue 22's target). (With 10x the
   learning rate as well the router's softmax saturates to exactly one-hot within ~10 steps;
@@ -428,13 +431,19 @@ def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   config = zaya1_tiny.get_config()  # in-process: what `python -m launch.train` runs
   t = config.train
   t.num_steps, t.warmup_steps, t.log_every, t.eval_every, t.eval_batches = 200, 1, 1, 0, 0
-  t.max_steps_per_run = 100  # the 200-step schedule, stopped at 100
   config.checkpoint.every_steps = 0
   run(config, str(workdir))
   with open(workdir / "metrics.jsonl") as f:
     rows = {r["step"]: r for r in map(json.loads, f) if r["kind"] == "train"}
-  load = np.sum([np.asarray(rows[s]["expert_load"])[:, :-1] for s in range(85, 101)], axis=0)
-  share = load / load.sum(-1, keepdims=True)
-  entropy = -np.sum(share * np.log(np.where(share > 0, share, 1.0)), -1) / np.log(share.shape[-1])
-  print("windowed load entropy per layer, steps 85-100:", entropy.round(4).tolist())
+
+  def window_entropy(last):
+    load = np.sum([np.asarray(rows[s]["expert_load"])[:, :-1] for s in range(last - 15, last + 1)],
+                  axis=0)
+    share = load / load.sum(-1, keepdims=True)
+    return -np.sum(share * np.log(np.where(share > 0, share, 1.0)), -1) / np.log(share.shape[-1])
+
+  for last in (100, 200):
+    print(f"windowed load entropy per layer, steps {last - 15}-{last}:",
+          window_entropy(last).round(4).tolist())
+  entropy = window_entropy(200)
   assert entropy.shape == (4,) and np.all(entropy >= 0.95), entropy

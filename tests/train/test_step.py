@@ -198,9 +198,25 @@ def test_grad_accumulation_equals_one_pass(setup, accum, mode):
   np.testing.assert_allclose(get_biases(new_state.model_state), get_biases(ref_state.model_state),
                              atol=1e-7)
   assert float(jnp.max(jnp.abs(get_biases(ref_state.model_state)[:, :-1]))) > 1e-3  # it moved
-  for a, b in zip(jax.tree.leaves((new_state.params, new_state.opt_state)),
-                  jax.tree.leaves((ref_state.params, ref_state.opt_state))):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # The moments carry the gradients: equal to float32 rounding of each leaf's own scale.
+  for a, b in zip(jax.tree.leaves(new_state.opt_state), jax.tree.leaves(ref_state.opt_state)):
+    scale = float(np.max(np.abs(b))) if np.size(b) else 0.0
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+  # The parameters where Adam's first update m / (sqrt(v) + eps) is well conditioned: an
+  # element whose gradient |g| is near eps (1e-8) moves by g / (|g| + eps), which turns the
+  # summation-order rounding of a tiny g (6e-4 relative at |g| = 1e-8 on one CPU, against
+  # gradients of 1e-5 elsewhere in its leaf) into a 1.7e-6 parameter difference. There the
+  # moments above are the check.
+  adam, = [x for x in jax.tree.leaves(ref_state.opt_state, is_leaf=lambda x: isinstance(
+      x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState)]
+  grad_scale = jax.tree.map(lambda nu: np.sqrt(np.asarray(nu) / (1.0 - train_cfg.b2)), adam.nu)
+  checked = 0
+  for a, b, g in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params),
+                     jax.tree.leaves(grad_scale), strict=True):
+    sharp = g >= 100 * train_cfg.eps
+    np.testing.assert_allclose(np.asarray(a)[sharp], np.asarray(b)[sharp], rtol=1e-5, atol=1e-6)
+    checked += int(sharp.sum())
+  assert checked > 0.5 * sum(np.size(x) for x in jax.tree.leaves(ref_state.params)), checked
 
 
 def test_grad_accumulation_steps_must_divide_batch():
