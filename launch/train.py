@@ -13,7 +13,6 @@ a shared filesystem: all of them write checkpoints, process 0 alone writes metri
 Intentionally short: all logic lives in `zaya_jax.parallel.distributed` and `zaya_jax.train.run`.
 """
 
-import re
 import sys
 
 import configs.base
@@ -56,29 +55,6 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
 flags.mark_flags_as_required(["config"])
 
 
-def override_error(argv: list[str], error: Exception) -> str:
-  """One line for a `--config.*` override that config_flags rejected with `error`.
-
-  A misspelt field (ml_collections' `'\\'lrr\\' Did you mean "lr" instead of "lrr"?'`)
-  becomes `invalid config override --config.train.lrr: no field 'lrr' in train; did you mean
-  'lr'?`; any other message is flattened onto one line after `invalid config override: `.
-  """
-  text = str(error.args[0] if error.args else error).replace("\\'", "'").replace("\\n", " ")
-  text = " ".join(text.split())
-  key = re.search(r"'(\w+)'", text)
-  hint = re.search(r'Did you mean "(\w+)"', text)
-  if key and hint:
-    for arg in argv[1:]:
-      if not arg.startswith("--config."):
-        continue
-      path = arg[len("--config."):].split("=", 1)[0].split(".")
-      if key.group(1) in path:
-        parent = ".".join(path[:path.index(key.group(1))]) or "the config"
-        return (f"invalid config override --config.{'.'.join(path)}: no field "
-                f"'{key.group(1)}' in {parent}; did you mean '{hint.group(1)}'?")
-  return f"invalid config override: {text}"
-
-
 def parse_flags(argv):
   """absl flag parsing, with a missing --config file or a misspelt or mistyped `--config.*`
   override as one line; a missing --workdir (without --print_config) is a usage error."""
@@ -90,7 +66,7 @@ def parse_flags(argv):
   except flags.Error as e:
     sys.exit(cli_paths.flag_error(e))
   except (KeyError, AttributeError, TypeError, ValueError) as e:  # raised by config_flags
-    sys.exit(override_error(argv, e))
+    sys.exit(cli_paths.override_error(argv, e))
   if _WORKDIR.value is None and not _PRINT_CONFIG.value:
     sys.exit("invalid flags: --workdir=DIR is required (or pass --print_config; see --help)")
   return rest

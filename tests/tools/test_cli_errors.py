@@ -15,7 +15,7 @@ import pytest
 from absl import flags as absl_flags
 
 from tests.helpers import MODEL_OVERRIDES, REPO
-from zaya_jax.config.cli_paths import config_file_problem, flag_error
+from zaya_jax.config.cli_paths import config_file_problem, flag_error, override_error
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
@@ -166,14 +166,32 @@ def test_flag_error_lines():
                     "invalid flags: Unknown command line flag 'nope' (see --help)"]
 
 
+def test_override_error_lines():
+  """`override_error` on ml_collections' errors for a `--config.*` field that does not exist
+  (what config_flags raises: the KeyError's text, with and without a close match)."""
+  argv = ["prog", "--config=c.py", "--config.train.lrr=1", "--config.nope=2"]
+  assert override_error(argv, AttributeError('\'lrr\'\nDid you mean "lr" instead of "lrr"?')) == (
+      "invalid config override --config.train.lrr: no field 'lrr' in train; did you mean 'lr'?")
+  assert override_error(argv, AttributeError("\"'nope'\"")) == (
+      "invalid config override --config.nope: no field 'nope' in the config (launch.train "
+      "--config=FILE --print_config lists the fields)")
+  assert override_error(argv, ValueError("could not parse\n 1,2")) == (
+      "invalid config override: could not parse 1,2")
+
+
 @pytest.mark.slow
-def test_entry_points_without_a_config_flag_say_a_bad_flag_in_one_line():
-  """Entry points with no --config (launch.balance_floor, launch.plot, launch.generate) parse
-  through `cli_paths.parse_flags` too: one line, status 1, not absl's `FATAL Flags parsing
-  error` and usage hint."""
+def test_entry_points_say_a_bad_flag_in_one_line():
+  """Entry points other than launch.train parse through `cli_paths.parse_flags`: one line,
+  status 1, not absl's `FATAL Flags parsing error` and usage hint (launch.balance_floor,
+  launch.plot, launch.generate) or ml_collections' traceback (launch.sizing's override)."""
   assert _one_line(_run("launch.balance_floor", "--workdir=/tmp/x", "--batches=abc")) == (
       "invalid flags: --batches=abc: the value must be an integer, e.g. --batches=100")
   assert _one_line(_run("launch.plot")) == (
       "invalid flags: --workdir is required, e.g. --workdir=... (see --help)")
   assert _one_line(_run("launch.generate", "--temprature=0.8")).startswith(
       "invalid flags: Unknown command line flag 'temprature'")
+  # An entry point with --config (not launch.train, which had its own parser): a misspelt
+  # override used to be ml_collections' 58-line traceback.
+  assert _one_line(_run("launch.sizing", "--config=configs/zaya1_tiny.py", "--num_devices=1",
+                        "--config.train.lrr=1")) == (
+      "invalid config override --config.train.lrr: no field 'lrr' in train; did you mean 'lr'?")

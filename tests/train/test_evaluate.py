@@ -148,7 +148,7 @@ def test_balance_floor_cli(trained):
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "oracle (exact solve of the previous batch)" in proc.stdout, proc.stdout
-  assert "loads summed over blocks of 1 steps, median worst-layer max/mean: oracle" in \
+  assert "loads summed over 1 blocks of 1 steps, median worst-layer max/mean: oracle" in \
       proc.stdout, proc.stdout
   # The exact solve routes its own fit set evenly up to +-1 token per expert where margins
   # tie or the sweeps run out (`quantile_biases`): 33 / 32 = 1.03 at the 128 fit tokens over

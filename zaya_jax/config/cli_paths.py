@@ -101,7 +101,8 @@ def flag_error(error: Exception) -> str:
   text = " ".join(str(error).split())
   missing = re.match(r"flag (--[\w.]+)=None: Flag --[\w.]+ must have a value other than None", text)
   if missing:
-    return f"invalid flags: {missing.group(1)} is required, e.g. {missing.group(1)}=... (see --help)"
+    flag = missing.group(1)
+    return f"invalid flags: {flag} is required, e.g. {flag}=... (see --help)"
   m = re.match(r"flag (--[\w.]+)=(.*?): (.*)$", text)
   if m:
     flag, value, why = m.groups()
@@ -113,12 +114,42 @@ def flag_error(error: Exception) -> str:
   return f"invalid flags: {text} (see --help)"
 
 
+def override_error(argv: Sequence[str], error: Exception) -> str:
+  """One line for a `--config.*` override that ml_collections' config_flags rejected with
+  `error` (a KeyError / AttributeError naming the field, or a TypeError / ValueError).
+
+  A misspelt field (ml_collections' `'\\'lrr\\' Did you mean "lr" instead of "lrr"?'`)
+  becomes `invalid config override --config.train.lrr: no field 'lrr' in train; did you mean
+  'lr'?`; a field with no close match `... no field 'nope' in train (launch.train
+  --config=FILE --print_config lists the fields)`; any other message is flattened onto one
+  line after `invalid config override: `.
+  """
+  text = str(error.args[0] if error.args else error).replace("\\'", "'").replace("\\n", " ")
+  text = " ".join(text.split())
+  key = re.search(r"'(\w+)'", text)
+  hint = re.search(r'Did you mean "(\w+)"', text)
+  if key:
+    for arg in argv[1:]:
+      if not arg.startswith("--config."):
+        continue
+      path = arg[len("--config."):].split("=", 1)[0].split(".")
+      if key.group(1) in path:
+        parent = ".".join(path[:path.index(key.group(1))]) or "the config"
+        where = (f"invalid config override --config.{'.'.join(path)}: no field "
+                 f"'{key.group(1)}' in {parent}")
+        if hint:
+          return f"{where}; did you mean '{hint.group(1)}'?"
+        return f"{where} (launch.train --config=FILE --print_config lists the fields)"
+  return f"invalid config override: {text}"
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing for an entry point: pass as `app.run(main, flags_parser=parse_flags)`.
   Exits with `invalid flags: ...` (one line, status 1) if the --config file cannot be loaded
-  (`config_file_problem`) or absl rejects a flag (`flag_error`: an unknown flag, a value of
-  the wrong type, a missing required flag) instead of absl's two-line `FATAL Flags parsing
-  error` and usage hint."""
+  (`config_file_problem`), absl rejects a flag (`flag_error`: an unknown flag, a value of
+  the wrong type, a missing required flag) or ml_collections a `--config.*` override
+  (`override_error`: a field that does not exist), instead of absl's two-line `FATAL Flags
+  parsing error` and usage hint or ml_collections' traceback."""
   problem = config_file_problem(argv)
   if problem:
     sys.exit(f"invalid flags: {problem}")
@@ -126,3 +157,5 @@ def parse_flags(argv: list[str]) -> list[str]:
     return flags.FLAGS(argv)
   except flags.Error as e:
     sys.exit(flag_error(e))
+  except (KeyError, AttributeError, TypeError, ValueError) as e:  # raised by config_flags
+    sys.exit(override_error(argv, e))
