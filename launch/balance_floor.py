@@ -67,14 +67,14 @@ def main(argv):
         f"histogram rule {r['median_histogram']:.3f} | stored biases {r['median_stored']:.3f}; "
         f"the rule's update moves {100 * r['median_churn']:.2f}% of a batch's (token, layer) "
         "routings to another class (median)")
-  steps, blocks = _BATCHES.value - 1, (_BATCHES.value - 1) // _WINDOW.value
-  if not blocks:
-    print(f"no windowed figures: --batches={_BATCHES.value} gives {steps} steps, fewer than "
-          f"--window={_WINDOW.value}")
+  if "window_oracle" not in r:
+    print(f"no windowed figures: --batches={_BATCHES.value} gives {_BATCHES.value - 1} steps, "
+          f"fewer than --window={_WINDOW.value}")
   else:
-    print(f"loads summed over {blocks} blocks of {_WINDOW.value} steps, median worst-layer "
-          f"max/mean: oracle {r['window_oracle']:.3f} | histogram rule "
-          f"{r['window_histogram']:.3f} | stored biases {r['window_stored']:.3f} (median lowest-layer H/ln E "
+    print(f"loads summed over {(_BATCHES.value - 1) // _WINDOW.value} blocks of "
+          f"{_WINDOW.value} steps, median worst-layer max/mean: oracle "
+          f"{r['window_oracle']:.3f} | histogram rule {r['window_histogram']:.3f} | stored "
+          f"biases {r['window_stored']:.3f} (median lowest-layer H/ln E "
           f"{r['window_entropy_oracle']:.4f} / {r['window_entropy_histogram']:.4f} / "
           f"{r['window_entropy_stored']:.4f})")
   if _FIT.value:

@@ -56,17 +56,10 @@ flags.mark_flags_as_required(["config"])
 
 
 def parse_flags(argv):
-  """absl flag parsing, with a missing --config file or a misspelt or mistyped `--config.*`
-  override as one line; a missing --workdir (without --print_config) is a usage error."""
-  problem = cli_paths.config_file_problem(argv)
-  if problem:  # before parsing: ml_collections defers the load error to a chained traceback
-    sys.exit(f"invalid flags: {problem}")
-  try:
-    rest = flags.FLAGS(argv)
-  except flags.Error as e:
-    sys.exit(cli_paths.flag_error(e))
-  except (KeyError, AttributeError, TypeError, ValueError) as e:  # raised by config_flags
-    sys.exit(cli_paths.override_error(argv, e))
+  """`cli_paths.parse_flags` (a missing --config file, a bad flag or a misspelt or mistyped
+  `--config.*` override as one line), then a missing --workdir (without --print_config) is a
+  usage error."""
+  rest = cli_paths.parse_flags(argv)
   if _WORKDIR.value is None and not _PRINT_CONFIG.value:
     sys.exit("invalid flags: --workdir=DIR is required (or pass --print_config; see --help)")
   return rest

@@ -144,7 +144,7 @@ def test_balance_floor_cli(trained):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-m", "launch.balance_floor", f"--workdir={workdir}",
                          "--batches=2", "--fit_batches=2", "--test_batches=1", "--eval_batches=1",
-                          "--window=1"],
+                         "--window=1"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "oracle (exact solve of the previous batch)" in proc.stdout, proc.stdout
