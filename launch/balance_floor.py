@@ -49,8 +49,6 @@ flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     ckpt_dir, step, saved = find_run_checkpoint(_WORKDIR.value, _STEP.value)
     cfg = run_config_of(saved)

@@ -29,8 +29,6 @@ flags.mark_flag_as_required("workdirs")
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     steps = [int(s) for s in _ENTROPY_STEPS.value]
     rows = [balance_report.summarize(w, _FIRST.value, _LAST.value, steps, _WINDOW.value)

@@ -52,8 +52,6 @@ flags.mark_flags_as_required(["out"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:  # Before any JAX computation: the backend must not exist yet.
     collectives.validate(_COLLECTIVES.value, _MIN_BYTES.value, _MAX_BYTES.value, _REPEATS.value,
                          _WARMUP.value, _DTYPE.value)

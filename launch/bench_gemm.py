@@ -76,8 +76,6 @@ def _valid(parse, value) -> bool:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     sizes = gemm.sweep_sizes(_MIN.value, _MAX.value, [int(o) for o in _OFFSETS.value])
     grid = gemm.powers_of_two(_MIN.value, _MAX.value)

@@ -56,8 +56,6 @@ _WALK = flags.DEFINE_bool("walk", True, "Synthetic: find the true resume anchor 
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     try:
       workers = [int(w) for w in _WORKERS.value]

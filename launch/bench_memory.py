@@ -45,8 +45,6 @@ flags.register_multi_flags_validator(["min_kib", "max_kib"], lambda f: f["min_ki
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   itemsize = 4 if _DTYPE.value == "float32" else 2
   try:
     sizes = memory.array_sizes(_MIN.value * 1024, _MAX.value * 1024, itemsize)

@@ -52,8 +52,6 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     cfgs = benchmark.bench_configs(_CONFIG.value)
   except ConfigError as e:

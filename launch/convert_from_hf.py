@@ -48,8 +48,6 @@ flags.mark_flags_as_required(["hf_dir", "workdir"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   explicit = config_flags.get_override_values(flags.FLAGS["config"])
   given = (config_flags.get_config_filename(flags.FLAGS["config"])
            if flags.FLAGS["config"].present else None)  # None: base.py's settings, said so

@@ -34,12 +34,10 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     max_shard = runs.parse_size(_MAX_SHARD.value)
   except ValueError as e:
-    raise app.UsageError(str(e)) from e
+    sys.exit(f"launch.convert_to_hf: {e}")
   try:
     export = runs.export_run(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value, max_shard)
   except ConvertError as e:

@@ -63,8 +63,6 @@ def _config():
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     cfg, ckpt_dir, step = _config()
     cfg = with_eval_data(cfg, eval_batches=_EVAL_BATCHES.value, data_source=_DATA_SOURCE.value)

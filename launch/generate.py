@@ -68,13 +68,11 @@ def pick_tokenizer(saved: dict | None):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if (_WORKDIR.value is None) == (_HF_DIR.value is None):
-    raise app.UsageError("give exactly one of --workdir (a training run) or --hf_dir (a "
-                         "transformers directory)")
+    sys.exit("launch.generate: give exactly one of --workdir (a training run) or --hf_dir "
+             "(a transformers directory)")
   if _NUM_SAMPLES.value < 1:
-    raise app.UsageError(f"--num_samples={_NUM_SAMPLES.value} must be >= 1")
+    sys.exit(f"launch.generate: --num_samples={_NUM_SAMPLES.value} must be >= 1")
   if _HF_DIR.value is not None:
     if not os.path.isdir(_HF_DIR.value):
       sys.exit(f"--hf_dir={_HF_DIR.value}: no such directory (a local transformers "
@@ -96,7 +94,7 @@ def main(argv):
   tok = pick_tokenizer(saved)
   ids = ([tok.bos_id] if add_bos else []) + tok.encode(_PROMPT.value)
   if not ids:
-    raise app.UsageError("--prompt is empty and --add_bos is off: nothing to continue")
+    sys.exit("launch.generate: --prompt is empty and --add_bos is off: nothing to continue")
   if max(ids) >= model.cfg.vocab_size:
     sys.exit(f"the tokenizer gives id {max(ids)} but the model's vocab_size is "
              f"{model.cfg.vocab_size}: pass the model's own tokenizer (--tokenizer)")

@@ -32,8 +32,6 @@ _SKIP = flags.DEFINE_list("skip", [], "Sections not to run: parity, timings, tra
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     base = BenchConfigs(*synthetic_configs(zaya1_base.get_config()))
     tiny = BenchConfigs(*synthetic_configs(zaya1_tiny.get_config()))

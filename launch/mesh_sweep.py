@@ -47,8 +47,6 @@ flags.mark_flags_as_required(["config", "out"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   use_cpu_devices(_NUM_CPU.value)
   try:
     model_cfg, train_cfg, _, balance = synthetic_configs(_CONFIG.value)

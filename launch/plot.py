@@ -22,8 +22,6 @@ flags.mark_flag_as_required("workdir")
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     paths = run_plots.make_plots(_WORKDIR.value, _OUT.value, _WINDOW.value)
   except (FileNotFoundError, ValueError) as e:

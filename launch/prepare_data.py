@@ -44,8 +44,6 @@ flags.mark_flags_as_required(["source", "out"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     options = prepare_lib.PrepareOptions(
         tokenizer=_TOKENIZER.value, text_field=_TEXT_FIELD.value,

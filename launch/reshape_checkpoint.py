@@ -37,12 +37,10 @@ flags.mark_flags_as_required(["src"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not _SUMMARY.value and _DST.value is None:
-    raise app.UsageError("nothing to do: pass --summary and/or --dst=NEW_WORKDIR")
+    sys.exit("launch.reshape_checkpoint: nothing to do: pass --summary and/or --dst=NEW_WORKDIR")
   if _DST.value is None and (_DROP_OPTIMIZER.value or _DTYPE.value):
-    raise app.UsageError("--drop_optimizer and --dtype need --dst=NEW_WORKDIR")
+    sys.exit("launch.reshape_checkpoint: --drop_optimizer and --dtype need --dst=NEW_WORKDIR")
   try:
     if _SUMMARY.value:
       print(reshape.summarize(_SRC.value, _STEP.value))

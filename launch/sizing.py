@@ -143,8 +143,6 @@ def _predict(model_cfg, train_cfg, balance, profile) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _PREDICT.value:
     try:
       model_cfg, train_cfg, _, balance = synthetic_configs(_CONFIG.value)

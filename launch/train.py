@@ -82,8 +82,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _PRINT_CONFIG.value:
     print_config()
     return

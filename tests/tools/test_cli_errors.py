@@ -149,21 +149,45 @@ def test_short_run_clamps_the_warm_up_with_one_warning(tmp_path):
 # --- absl's own flag errors, in every entry point ------------------------------------------
 
 def test_flag_error_lines():
-  """`flag_error` on the messages absl raises (absl.flags 2.x wording)."""
+  """`flag_error` on the messages absl raises (absl.flags 2.x wording): each names the flag,
+  what it takes and an example, the flag's default where it has one."""
   values = absl_flags.FlagValues()
   absl_flags.DEFINE_integer("batches", 64, "n", flag_values=values)
+  absl_flags.DEFINE_integer("window", 16, "w", lower_bound=1, flag_values=values)
+  absl_flags.DEFINE_float("temperature", 0.8, "t", lower_bound=0.0, flag_values=values)
+  absl_flags.DEFINE_float("lr", None, "l", flag_values=values)
+  absl_flags.DEFINE_enum("mode", "next", ["next", "current"], "m", flag_values=values)
   absl_flags.DEFINE_string("workdir", None, "dir", flag_values=values)
   absl_flags.mark_flag_as_required("workdir", flag_values=values)
-  errors = []
-  for argv in (["prog", "--batches=abc", "--workdir=x"], ["prog"],
-               ["prog", "--nope=1", "--workdir=x"]):
+  cases = {
+      "--batches=abc": "--batches=abc: the value must be an integer, e.g. --batches=64",
+      "--lr=x": "--lr=x: the value must be a number, e.g. --lr=3e-4",  # no default
+      "--temperature=x": "--temperature=x: the value must be a number, e.g. --temperature=0.8",
+      "--window=0": "--window=0: the value must be a positive integer, e.g. --window=16",
+      "--temperature=-1": ("--temperature=-1: the value must be a non-negative number, e.g. "
+                           "--temperature=0.8"),
+      "--mode=both": "--mode=both: the value must be one of next, current, e.g. --mode=next",
+      "--window": "--window needs a value, e.g. --window=16",
+      "--flagfile=/nonexistent/f": ("--flagfile: cannot read it: [Errno 2] No such file or "
+                                    "directory: '/nonexistent/f'"),
+      "--nope=1": "Unknown command line flag 'nope' (see --help)",
+  }
+  for arg, want in cases.items():
     with pytest.raises(absl_flags.Error) as e:
-      values(argv)
-    errors.append(flag_error(e.value))
-  assert errors == ["invalid flags: --batches=abc: the value must be an integer, e.g. "
-                    "--batches=100",
-                    "invalid flags: --workdir is required, e.g. --workdir=... (see --help)",
-                    "invalid flags: Unknown command line flag 'nope' (see --help)"]
+      values(["prog", "--workdir=x", arg])
+    assert flag_error(e.value, values) == "invalid flags: " + want, arg
+  values = absl_flags.FlagValues()  # a fresh set: --workdir was given above
+  absl_flags.DEFINE_string("workdir", None, "dir", flag_values=values)
+  absl_flags.mark_flag_as_required("workdir", flag_values=values)
+  with pytest.raises(absl_flags.Error) as e:
+    values(["prog"])
+  assert flag_error(e.value, values) == (
+      "invalid flags: --workdir is required, e.g. --workdir=... (see --help)")
+  absl_flags.DEFINE_integer("batches", 64, "n", flag_values=values)
+  with pytest.raises(absl_flags.Error) as e:  # without the flag values: a generic example
+    values(["prog", "--batches=abc", "--workdir=x"])
+  assert flag_error(e.value) == (
+      "invalid flags: --batches=abc: the value must be an integer, e.g. --batches=100")
 
 
 def test_override_error_lines():
@@ -185,7 +209,13 @@ def test_entry_points_say_a_bad_flag_in_one_line():
   status 1, not absl's `FATAL Flags parsing error` and usage hint (launch.balance_floor,
   launch.plot, launch.generate) or ml_collections' traceback (launch.sizing's override)."""
   assert _one_line(_run("launch.balance_floor", "--workdir=/tmp/x", "--batches=abc")) == (
-      "invalid flags: --batches=abc: the value must be an integer, e.g. --batches=100")
+      "invalid flags: --batches=abc: the value must be an integer, e.g. --batches=64")
+  # A positional argument used to print absl's usage text (16 lines) under the error.
+  assert _one_line(_run("launch.evaluate", "--workdir=/tmp/x", "extra")) == (
+      "invalid arguments: extra: this command takes flags only, e.g. --name=value (see --help)")
+  # --help prints the flags and exits 0 (absl's own help flag exits 1).
+  helped = _run("launch.balance_floor", "--help")
+  assert helped.returncode == 0 and "--window" in helped.stdout, helped.stderr[-2000:]
   assert _one_line(_run("launch.plot")) == (
       "invalid flags: --workdir is required, e.g. --workdir=... (see --help)")
   assert _one_line(_run("launch.generate", "--temprature=0.8")).startswith(

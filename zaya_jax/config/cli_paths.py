@@ -93,24 +93,69 @@ def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) ->
   return None
 
 
-def flag_error(error: Exception) -> str:
-  """One line for a flag absl rejected: a `--flag=value` whose value does not parse says the
-  type it needs (`--config.balance.quantile_reroute=maybe: the value must be True or False,
-  e.g. ...=True`), a required flag left out says so (`--workdir is required, e.g.
-  --workdir=...`); anything else is absl's message flattened, with `see --help`."""
+_HELP_FLAGS = ("--help", "-help", "--helpshort", "-helpshort", "--helpfull", "-helpfull",
+               "--helpxml", "-helpxml", "-?", "--?")
+
+
+def _example(values: flags.FlagValues | None, name: str, fallback: str) -> str:
+  """A value to show after `e.g. --name=`: the flag's default when it has one, else
+  `fallback` (a `--config.*` field, or a flag without a default)."""
+  try:
+    default = values[name].default if values is not None else None
+  except KeyError:
+    default = None
+  if default is None or isinstance(default, bool) or default == "":
+    return fallback
+  if isinstance(default, (list, tuple)):
+    return ",".join(map(str, default)) or fallback
+  return str(default)
+
+
+def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
+  """One line for a flag absl rejected, naming the flag, what it takes and an example (the
+  flag's default in `values` when it has one; for a `--config.*` field, the config file's
+  value):
+    a value that does not parse: `--batches=abc: the value must be an integer, e.g.
+      --batches=64` (also True or False, a number);
+    a value out of bounds or not a choice: `--window=0: the value must be a positive integer,
+      e.g. --window=16`, `--mode=c: the value must be one of a, bb, e.g. --mode=a`;
+    a flag left without its value: `--window needs a value, e.g. --window=16`;
+    a required flag left out: `--workdir is required, e.g. --workdir=...`;
+    a --flagfile that cannot be read: `--flagfile: cannot read it: [Errno 2] ...`;
+  anything else (an unknown flag) is absl's message flattened, with `see --help`. Every line
+  starts with `invalid flags: `."""
   text = " ".join(str(error).split())
   missing = re.match(r"flag (--[\w.]+)=None: Flag --[\w.]+ must have a value other than None", text)
   if missing:
     flag = missing.group(1)
     return f"invalid flags: {flag} is required, e.g. {flag}=... (see --help)"
-  m = re.match(r"flag (--[\w.]+)=(.*?): (.*)$", text)
+  no_value = re.match(r"Missing value for flag (--?)([\w.]+)$", text)
+  if no_value:
+    flag = "--" + no_value.group(2)
+    return (f"invalid flags: {flag} needs a value, e.g. "
+            f"{flag}={_example(values, no_value.group(2), '...')}")
+  flagfile = re.match(r"ERROR::? ?Unable to open flagfile: (.*)$", text)
+  if flagfile:
+    return f"invalid flags: --flagfile: cannot read it: {flagfile.group(1)}"
+  m = re.match(r"flag (--([\w.]+))=(.*?): (.*)$", text)
   if m:
-    flag, value, why = m.groups()
+    flag, name, value, why = m.groups()
     for needle, kind, example in (("Non-boolean", "True or False", "True"),
                                   ("int()", "an integer", "100"),
                                   ("to float", "a number", "3e-4")):
       if needle in why:
+        if kind != "True or False":
+          example = _example(values, name, example)
         return f"invalid flags: {flag}={value}: the value must be {kind}, e.g. {flag}={example}"
+    bound = re.match(r".* is not (an? .*)$", why)
+    if bound:
+      return (f"invalid flags: {flag}={value}: the value must be {bound.group(1)}, e.g. "
+              f"{flag}={_example(values, name, '...')}")
+    choice = re.match(r"value should be one of <(.*)>$", why)
+    if choice:
+      options = choice.group(1).split("|")
+      return (f"invalid flags: {flag}={value}: the value must be one of "
+              f"{', '.join(options)}, e.g. {flag}={_example(values, name, options[0])}")
   return f"invalid flags: {text} (see --help)"
 
 
@@ -145,17 +190,28 @@ def override_error(argv: Sequence[str], error: Exception) -> str:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing for an entry point: pass as `app.run(main, flags_parser=parse_flags)`.
-  Exits with `invalid flags: ...` (one line, status 1) if the --config file cannot be loaded
-  (`config_file_problem`), absl rejects a flag (`flag_error`: an unknown flag, a value of
-  the wrong type, a missing required flag) or ml_collections a `--config.*` override
-  (`override_error`: a field that does not exist), instead of absl's two-line `FATAL Flags
-  parsing error` and usage hint or ml_collections' traceback."""
+  Exits with one line, status 1, if the --config file cannot be loaded (`config_file_problem`),
+  absl rejects a flag (`flag_error`: an unknown flag, a value of the wrong type or out of
+  bounds, a missing required flag, an unreadable --flagfile), ml_collections a `--config.*`
+  override (`override_error`: a field that does not exist) or a positional argument is left
+  (the entry points take flags only), instead of absl's two-line `FATAL Flags parsing error`,
+  its usage text or ml_collections' traceback. `--help` (absl prints the flags and exits 1)
+  exits 0."""
   problem = config_file_problem(argv)
   if problem:
     sys.exit(f"invalid flags: {problem}")
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as e:
-    sys.exit(flag_error(e))
+    sys.exit(flag_error(e, flags.FLAGS))
   except (KeyError, AttributeError, TypeError, ValueError) as e:  # raised by config_flags
     sys.exit(override_error(argv, e))
+  except SystemExit as e:  # absl's help flags print the help, then exit 1
+    if e.code == 1 and any(a.split("=", 1)[0] in _HELP_FLAGS for a in argv[1:]):
+      sys.exit(0)
+    raise
+  if len(rest) > 1:
+    extra = " ".join(rest[1:])
+    sys.exit(f"invalid arguments: {extra}: this command takes flags only, e.g. --name=value "
+             "(see --help)")
+  return rest
