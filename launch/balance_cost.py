@@ -15,7 +15,6 @@ import json
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, cli_paths
 from zaya_jax.logs import quiet_third_party
@@ -23,7 +22,7 @@ from zaya_jax.perf import balance_cost, benchmark
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
 _VARIANTS = flags.DEFINE_list(
     "variants", ["none", "quantile:next", "quantile:reroute", "adamw", "pid", "sign",

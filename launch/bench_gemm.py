@@ -19,7 +19,6 @@ and OUT/bench_gemm.png. All logic lives in `zaya_jax.perf.gemm`.
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from zaya_jax.config import build_group
 from zaya_jax.config.model import ModelConfig
@@ -31,7 +30,7 @@ from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", None, "Config whose model GEMMs to add, e.g. configs/zaya1_base.py.",
     lock_config=True)
 _TOKENS = flags.DEFINE_integer("tokens", 4096, "Tokens per device (M) of the model's GEMMs.")

@@ -19,7 +19,6 @@ rows/s one process must deliver) and resident memory of this process.
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.data import DataConfig
@@ -29,7 +28,7 @@ from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", "configs/zaya1_base.py", "Config whose model/train set the required rate.",
     lock_config=True)
 _DATA = flags.DEFINE_string("data", None, "data.source: a prepared directory, raw globs or stdlib.")

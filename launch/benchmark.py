@@ -22,7 +22,6 @@ import json
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError
 from zaya_jax.perf import benchmark
@@ -32,7 +31,7 @@ from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", None, "Path to a config file, e.g. configs/bench_cpu.py.", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed training steps (>= 1).", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (>= 1; the first compiles).",

@@ -39,7 +39,7 @@ quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its back
 
 BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "base.py")
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", BASE_CONFIG, "Training settings (the model comes from HF_DIR/config.json); "
     "default configs/base.py.", lock_config=True)
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Local transformers save_pretrained directory.")

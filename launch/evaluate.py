@@ -16,7 +16,6 @@ import os
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from zaya_jax.checkpoint import find_run_checkpoint
 from zaya_jax.config import ConfigError, resolve
@@ -27,7 +26,7 @@ from zaya_jax.train.evaluate import evaluate_saved, run_config_of, with_eval_dat
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", None, "Config file for data/tokenizer/eval settings (needed with --hf_dir).",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (holding checkpoints/).")

@@ -19,7 +19,6 @@ Writes OUT/mesh_sweep.csv and OUT/mesh_sweep.png. All logic lives in
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.perf import mesh_sweep
@@ -30,7 +29,7 @@ from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py.", lock_config=True)
 _MESHES = flags.DEFINE_string("meshes", "1,1,8;2,1,4;1,2,4",
                               "Mesh shapes data,fsdp,expert separated by ';'.")

@@ -36,7 +36,6 @@ import dataclasses
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.config.mesh import MeshConfig
@@ -50,7 +49,7 @@ from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_base.py.", lock_config=True)
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the mesh.")
 _PROFILE = flags.DEFINE_string("profile", "mi300x", "Accelerator profile: mi300x, mi325x, h100, h200.")

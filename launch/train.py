@@ -30,7 +30,7 @@ from zaya_jax.logs import quiet_third_party
 
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli_paths.define_config_file(
     "config", None, "Path to a config file, e.g. configs/zaya1_tiny.py. Override any field with "
     "--config.<group>.<field>=VALUE (e.g. --config.train.lr=1e-3); --print_config lists them "
     "all with their values and units.", lock_config=True)

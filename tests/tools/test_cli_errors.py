@@ -15,7 +15,8 @@ import pytest
 from absl import flags as absl_flags
 
 from tests.helpers import MODEL_OVERRIDES, REPO
-from zaya_jax.config.cli_paths import config_file_problem, flag_error, override_error
+from zaya_jax.config.cli_paths import (config_file_problem, flag_error, flagfile_problem,
+                                       override_error)
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
@@ -154,6 +155,7 @@ def test_flag_error_lines():
   values = absl_flags.FlagValues()
   absl_flags.DEFINE_integer("batches", 64, "n", flag_values=values)
   absl_flags.DEFINE_integer("window", 16, "w", lower_bound=1, flag_values=values)
+  absl_flags.DEFINE_integer("least", 64, "n", lower_bound=2, flag_values=values)
   absl_flags.DEFINE_float("temperature", 0.8, "t", lower_bound=0.0, flag_values=values)
   absl_flags.DEFINE_float("lr", None, "l", flag_values=values)
   absl_flags.DEFINE_enum("mode", "next", ["next", "current"], "m", flag_values=values)
@@ -168,6 +170,7 @@ def test_flag_error_lines():
                            "--temperature=0.8"),
       "--mode=both": "--mode=both: the value must be one of next, current, e.g. --mode=next",
       "--window": "--window needs a value, e.g. --window=16",
+      "--least=1": "--least=1: the value must be an integer >= 2, e.g. --least=64",
       "--flagfile=/nonexistent/f": ("--flagfile: cannot read it: [Errno 2] No such file or "
                                     "directory: '/nonexistent/f'"),
       "--nope=1": "Unknown command line flag 'nope' (see --help)",
@@ -188,6 +191,23 @@ def test_flag_error_lines():
     values(["prog", "--batches=abc", "--workdir=x"])
   assert flag_error(e.value) == (
       "invalid flags: --batches=abc: the value must be an integer, e.g. --batches=100")
+
+
+def test_flagfile_problem_reads_nested_flag_files(tmp_path):
+  """An unreadable --flagfile, also one named inside a flag file, is one line (absl reads
+  them while parsing, ml_collections' DEFINE_config_file already at import)."""
+  good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+  good.write_text("# a comment\n--workdir=/tmp/x\n")
+  bad.write_text(f"--flagfile={good}\n--flagfile={tmp_path / 'gone.txt'}\n")
+  assert flagfile_problem(["prog", f"--flagfile={good}", "--x=1"]) is None
+  assert flagfile_problem(["prog", "--flagfile", str(good)]) is None
+  assert flagfile_problem(["prog", f"--flagfile={bad}"]) == (
+      f"--flagfile={tmp_path / 'gone.txt'}: cannot read it: No such file or directory; give a "
+      "readable file of flags")
+  assert flagfile_problem(["prog", f"--flagfile={tmp_path}"]).endswith(
+      "cannot read it: Is a directory; give a readable file of flags")
+  assert flagfile_problem(["prog", "--flagfile"]) == (
+      "--flagfile needs a value, e.g. --flagfile=FLAGS.txt")
 
 
 def test_override_error_lines():
@@ -213,6 +233,11 @@ def test_entry_points_say_a_bad_flag_in_one_line():
   # A positional argument used to print absl's usage text (16 lines) under the error.
   assert _one_line(_run("launch.evaluate", "--workdir=/tmp/x", "extra")) == (
       "invalid arguments: extra: this command takes flags only, e.g. --name=value (see --help)")
+  # An unreadable --flagfile in an entry point with --config: ml_collections read it at
+  # import, a 33-line traceback.
+  assert _one_line(_run("launch.evaluate", "--flagfile=/nonexistent/flags.txt")) == (
+      "invalid flags: --flagfile=/nonexistent/flags.txt: cannot read it: No such file or "
+      "directory; give a readable file of flags")
   # --help prints the flags and exits 0 (absl's own help flag exits 1).
   helped = _run("launch.balance_floor", "--help")
   assert helped.returncode == 0 and "--window" in helped.stdout, helped.stderr[-2000:]

@@ -18,6 +18,11 @@ import sys
 from typing import Sequence
 
 from absl import flags
+from ml_collections import config_flags
+
+# `define_config_file` defines the flag for its caller: the entry point's module keeps it as
+# a key flag (listed by --help), as with ml_collections' own DEFINE_config_file.
+flags.disclaim_key_flags()
 
 
 def config_flag_value(argv: Sequence[str], name: str = "config") -> str | None:
@@ -60,6 +65,45 @@ def config_file_problem(argv: Sequence[str], name: str = "config") -> str | None
   if not os.access(path, os.R_OK):
     return f"--{name}={value}: {path} is not readable; check its permissions"
   return None
+
+
+def flagfile_problem(argv: Sequence[str], depth: int = 0) -> str | None:
+  """Why a `--flagfile=FILE` in `argv` (or in a flag file it names) cannot be read, as one
+  line (`--flagfile=/x: cannot read it: No such file or directory`), or None. absl reads
+  flag files while parsing, and ml_collections' `DEFINE_config_file` already at import (so
+  `parse_flags` cannot catch its error: a 33-line traceback); `define_config_file` and
+  `parse_flags` check first."""
+  args = list(argv[1:]) if depth == 0 else list(argv)
+  for i, arg in enumerate(args):
+    name, eq, value = arg.partition("=")
+    if name not in ("--flagfile", "-flagfile"):
+      continue
+    if not eq:
+      if i + 1 >= len(args):
+        return "--flagfile needs a value, e.g. --flagfile=FLAGS.txt"
+      value = args[i + 1]
+    try:
+      with open(value, encoding="utf-8") as f:
+        lines = [line.strip() for line in f]
+    except (OSError, UnicodeDecodeError) as e:
+      why = getattr(e, "strerror", None) or str(e)
+      return f"--flagfile={value}: cannot read it: {why}; give a readable file of flags"
+    if depth < 8:
+      nested = flagfile_problem([line for line in lines if line and not line.startswith("#")],
+                                depth + 1)
+      if nested:
+        return nested
+  return None
+
+
+def define_config_file(name: str, default: str | None, help_string: str, **kwargs):
+  """`ml_collections.config_flags.DEFINE_config_file`, after `flagfile_problem` on
+  `sys.argv`: an unreadable --flagfile exits with one line (status 1) instead of the
+  traceback ml_collections raises while defining the flag."""
+  problem = flagfile_problem(sys.argv)
+  if problem:
+    sys.exit(f"invalid flags: {problem}")
+  return config_flags.DEFINE_config_file(name, default, help_string, **kwargs)
 
 
 def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) -> str | None:
@@ -147,9 +191,11 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
         if kind != "True or False":
           example = _example(values, name, example)
         return f"invalid flags: {flag}={value}: the value must be {kind}, e.g. {flag}={example}"
-    bound = re.match(r".* is not (an? .*)$", why)
+    bound = re.match(r".* is not (an? )?(.*)$", why)
     if bound:
-      return (f"invalid flags: {flag}={value}: the value must be {bound.group(1)}, e.g. "
+      what = bound.group(2)
+      article = bound.group(1) or ("an " if what[:1] in "aeiou" else "a ")
+      return (f"invalid flags: {flag}={value}: the value must be {article}{what}, e.g. "
               f"{flag}={_example(values, name, '...')}")
     choice = re.match(r"value should be one of <(.*)>$", why)
     if choice:
@@ -197,7 +243,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   (the entry points take flags only), instead of absl's two-line `FATAL Flags parsing error`,
   its usage text or ml_collections' traceback. `--help` (absl prints the flags and exits 1)
   exits 0."""
-  problem = config_file_problem(argv)
+  problem = config_file_problem(argv) or flagfile_problem(argv)
   if problem:
     sys.exit(f"invalid flags: {problem}")
   try:
