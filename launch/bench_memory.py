@@ -45,6 +45,8 @@ flags.register_multi_flags_validator(["min_kib", "max_kib"], lambda f: f["min_ki
 
 
 def main(argv):
+  if problem := cli_paths.unwritable_dir_problem(_OUT.value, "--out"):
+    sys.exit(f"invalid flags: {problem}")
   itemsize = 4 if _DTYPE.value == "float32" else 2
   try:
     sizes = memory.array_sizes(_MIN.value * 1024, _MAX.value * 1024, itemsize)

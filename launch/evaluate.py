@@ -62,6 +62,8 @@ def _config():
 
 
 def main(argv):
+  if _OUT.value and (problem := cli_paths.unwritable_file_problem(_OUT.value, "--out")):
+    sys.exit(f"launch.evaluate: {problem}")
   try:
     cfg, ckpt_dir, step = _config()
     cfg = with_eval_data(cfg, eval_batches=_EVAL_BATCHES.value, data_source=_DATA_SOURCE.value)

@@ -32,6 +32,8 @@ _SKIP = flags.DEFINE_list("skip", [], "Sections not to run: parity, timings, tra
 
 
 def main(argv):
+  if problem := cli_paths.unwritable_dir_problem(_OUT.value, "--out"):
+    sys.exit(f"invalid flags: {problem}")
   try:
     base = BenchConfigs(*synthetic_configs(zaya1_base.get_config()))
     tiny = BenchConfigs(*synthetic_configs(zaya1_tiny.get_config()))

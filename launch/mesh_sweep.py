@@ -23,6 +23,7 @@ from absl import app, flags
 from zaya_jax.config import ConfigError, synthetic_configs
 from zaya_jax.perf import mesh_sweep
 from zaya_jax.config.mesh import parse_meshes
+from zaya_jax.parallel.dispatch import DISPATCHES
 from zaya_jax.parallel.mesh import use_cpu_devices
 from zaya_jax.config import cli_paths
 from zaya_jax.logs import quiet_third_party
@@ -37,15 +38,25 @@ _DISPATCHES = flags.DEFINE_list(
     "dispatches", None, "MoE dispatch paths to compare (allgather, all_to_all, "
     "ragged_all_to_all, ...); default: the config's model.moe_dispatch.")
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile and analyse only; no steps run.")
-_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per row (after one warm-up step).")
-_BATCH = flags.DEFINE_integer("batch_size", None, "Global batch; default config.train.batch_size.")
-_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence; default config.train.seq_len.")
-_NUM_CPU = flags.DEFINE_integer("num_cpu_devices", 8, "Fake CPU devices when XLA_FLAGS sets none.")
+_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per row (after one warm-up step).",
+                              lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch_size", None, "Global batch; default config.train.batch_size.",
+                              lower_bound=1)
+_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence; default config.train.seq_len.",
+                            lower_bound=1)
+_NUM_CPU = flags.DEFINE_integer("num_cpu_devices", 8, "Fake CPU devices when XLA_FLAGS sets none.",
+                                lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "Output folder for mesh_sweep.csv and mesh_sweep.png.")
 flags.mark_flags_as_required(["config", "out"])
 
 
 def main(argv):
+  bad = [d for d in _DISPATCHES.value or [] if d not in DISPATCHES]
+  if bad:
+    sys.exit(f"invalid flags: --dispatches={','.join(_DISPATCHES.value)}: {', '.join(bad)} is not "
+             f"a dispatch path; use some of {', '.join(DISPATCHES)}")
+  if problem := cli_paths.unwritable_dir_problem(_OUT.value, "--out"):
+    sys.exit(f"invalid flags: {problem}")
   use_cpu_devices(_NUM_CPU.value)
   try:
     model_cfg, train_cfg, _, balance = synthetic_configs(_CONFIG.value)

@@ -22,6 +22,8 @@ flags.mark_flag_as_required("workdir")
 
 
 def main(argv):
+  if _OUT.value and (problem := cli_paths.unwritable_dir_problem(_OUT.value, "--out")):
+    sys.exit(f"launch.plot: {problem}")
   try:
     paths = run_plots.make_plots(_WORKDIR.value, _OUT.value, _WINDOW.value)
   except (FileNotFoundError, ValueError) as e:

@@ -41,6 +41,8 @@ def main(argv):
     sys.exit("launch.reshape_checkpoint: nothing to do: pass --summary and/or --dst=NEW_WORKDIR")
   if _DST.value is None and (_DROP_OPTIMIZER.value or _DTYPE.value):
     sys.exit("launch.reshape_checkpoint: --drop_optimizer and --dtype need --dst=NEW_WORKDIR")
+  if _DST.value is not None and (problem := cli_paths.unwritable_dir_problem(_DST.value, "--dst")):
+    sys.exit(f"launch.reshape_checkpoint: {problem}")
   try:
     if _SUMMARY.value:
       print(reshape.summarize(_SRC.value, _STEP.value))
@@ -50,6 +52,9 @@ def main(argv):
         print(line)
   except ValueError as e:  # bad paths, an existing --dst, a corrupt source: one message
     sys.exit(f"reshape_checkpoint: {e}")
+  except OSError as e:  # --dst cannot be created (e.g. under /proc, where os.access says yes)
+    sys.exit(f"reshape_checkpoint: --dst={_DST.value}: cannot write there: "
+             f"{e.strerror or e}; pass a directory you can write to")
 
 
 def run_main():

@@ -15,8 +15,10 @@ import pytest
 from absl import flags as absl_flags
 
 from tests.helpers import MODEL_OVERRIDES, REPO
+from zaya_jax.config import cli_paths
 from zaya_jax.config.cli_paths import (config_file_problem, flag_error, flagfile_problem,
                                        override_error)
+from zaya_jax.convert.runs import parse_size
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
@@ -250,3 +252,29 @@ def test_entry_points_say_a_bad_flag_in_one_line():
   assert _one_line(_run("launch.sizing", "--config=configs/zaya1_tiny.py", "--num_devices=1",
                         "--config.train.lrr=1")) == (
       "invalid config override --config.train.lrr: no field 'lrr' in train; did you mean 'lr'?")
+
+
+def test_unwritable_outputs_and_bad_values_stop_before_the_work(tmp_path):
+  """Output paths are checked before anything slow starts (they were tracebacks after the
+  work), and values that used to run with status 0 (a failed row, 131 one-tensor shards) are
+  one line with status 1."""
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  assert cli_paths.unwritable_file_problem(str(tmp_path / "out.json"), "--out") is None
+  assert cli_paths.unwritable_file_problem(str(tmp_path), "--out").startswith(
+      f"--out={tmp_path} is a directory; pass a file path")
+  assert _one_line(_run("launch.evaluate", "--workdir=/tmp/x", "--out=/nonexistent_dir/x.json")) == (
+      "launch.evaluate: --out=/nonexistent_dir/x.json: the folder /nonexistent_dir does not "
+      "exist; create it or pass another path")
+  assert _one_line(_run("launch.plot", "--workdir=/tmp/x", f"--out={a_file}")) == (
+      f"launch.plot: --out={a_file}: {a_file} is not a directory, so {a_file} cannot be created "
+      "there; pass a directory path")
+  assert _one_line(_run("launch.mesh_sweep", "--config=configs/zaya1_tiny.py", "--out=/tmp/x",
+                        "--dispatches=bogus")) == (
+      "invalid flags: --dispatches=bogus: bogus is not a dispatch path; use some of auto, local, "
+      "allgather, all_to_all, ragged_all_to_all")
+  assert _one_line(_run("launch.bench_collectives", "--num_cpu_devices=0")) == (
+      "invalid flags: --num_cpu_devices=0: the value must be a positive integer, e.g. "
+      "--num_cpu_devices=8")
+  with pytest.raises(ValueError, match="--max_shard_size='0' must be at least one byte"):
+    parse_size("0")

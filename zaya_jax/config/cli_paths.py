@@ -137,6 +137,23 @@ def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) ->
   return None
 
 
+def unwritable_file_problem(path: str, flag: str) -> str | None:
+  """Why file `path` cannot be written, as one line naming `flag`; None if it can. Creates
+  nothing: `path` must not be a directory, and its directory must exist and be writable (an
+  output file's folder is not created; `unwritable_dir_problem` for folders)."""
+  target = os.path.abspath(path)
+  if os.path.isdir(target):
+    return f"{flag}={path} is a directory; pass a file path, e.g. {flag}={os.path.join(path, 'out.json')}"
+  parent = os.path.dirname(target)
+  if not os.path.isdir(parent):
+    return f"{flag}={path}: the folder {parent} does not exist; create it or pass another path"
+  if os.path.exists(target) and not os.access(target, os.W_OK):
+    return f"{flag}={path}: the file is not writable by this user; pass another path"
+  if not os.access(parent, os.W_OK | os.X_OK):
+    return f"{flag}={path}: {parent} is not writable by this user; pass another path"
+  return None
+
+
 _HELP_FLAGS = ("--help", "-help", "--helpshort", "-helpshort", "--helpfull", "-helpfull",
                "--helpxml", "-helpxml", "-?", "--?")
 

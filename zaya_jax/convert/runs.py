@@ -316,12 +316,16 @@ def parse_size(text: str) -> int:
   """'5GB' -> 5_000_000_000 (decimal units, as transformers; KiB/MiB/GiB binary).
 
   Raises:
-    ValueError: naming `--max_shard_size`, for text that is not a number with a unit.
+    ValueError: naming `--max_shard_size`, for text that is not a number with a unit, or a
+      size below one byte.
   """
   m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
   if not m or m.group(2).upper() not in _UNITS:
     raise ValueError(f"--max_shard_size={text!r}; use e.g. 5GB, 500MB or a byte count")
-  return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+  size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+  if size < 1:
+    raise ValueError(f"--max_shard_size={text!r} must be at least one byte; use e.g. 5GB or 500MB")
+  return size
 
 
 @dataclasses.dataclass(frozen=True)
