@@ -180,14 +180,9 @@ def get_config() -> ml_collections.ConfigDict:
   #   other sequences, evaluation routes differently, and the solve costs ~35 sequential
   #   all-reduces per class and sweep per layer: ~10^5 per step at ZAYA1-base scale)
   b.quantile_apply = "next"
-  # "quantile" "next" (default since 2026-12-07): 4 half-steps of the histogram solve on the
-  #   re-scored batch (4 all-reduces of [L, X, 162] per train step), used as they come (no
-  #   EMA): close to the exact solve of that batch; the window load held at 1.07-1.14 on the
-  #   tiny config's 4 seeds, against 1.12-1.17 for the previous one EMA-halved step
-  #   (quantile_iters=1, quantile_step=1.0, quantile_ema=0.5; README "Load balancing")
-  b.quantile_ema = 0.0  # "quantile": b <- ema*b + (1-ema)*solved each step; 0 = the solved biases as they are
-  b.quantile_iters = 4  # "quantile" "next": histogram steps per train step, each one all-reduce of [L, X, 162]
-  b.quantile_step = 0.5  # "quantile" "next": fraction of each histogram step taken (a simultaneous step may overshoot up to 2x)
+  b.quantile_ema = 0.5  # "quantile": b <- ema*b + (1-ema)*solved each step; 0.5 halves the simultaneous step ("next": it may overshoot 2x otherwise)
+  b.quantile_iters = 1  # "quantile" "next": histogram steps per train step, each one all-reduce of [L, X, 162]
+  b.quantile_step = 1.0  # "quantile" "next": fraction of each histogram step taken
   b.quantile_integral = 0.0  # "quantile" "next": b += ki * (running sum of the solved shifts) on top of the EMA step (removes its lag behind a drifting router; 0.15 without quantile_reroute, README "Load balancing"); 0 = the EMA step alone
   b.quantile_reroute = True  # "quantile" "next": re-score this step's router inputs with the router after the optimizer update before the histogram step (the biases then do not lag the router's own step; the router MLP over [L, B*T, D] stored inputs, no extra collective)
   b.quantile_sweeps = 64  # "quantile" with "current": most coordinate sweeps of the exact solve (it stops once every class is within 1 token)

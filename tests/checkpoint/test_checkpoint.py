@@ -291,29 +291,14 @@ def test_changed_balancing_settings_are_named():
   import types
   from zaya_jax.checkpoint.compat import changed_balancing_settings
   from zaya_jax.config import BalanceConfig, TrainConfig
-  # The defaults: router_lr_scale 0.1, quantile_integral 0, quantile_reroute True, and (since
-  # 2026-12-07) 4 half-steps without an EMA.
+  # The defaults: router_lr_scale 0.1, quantile_integral 0, quantile_reroute True.
   cfg = types.SimpleNamespace(train=TrainConfig(), balance=BalanceConfig())
-  now = {"quantile_iters": 4, "quantile_step": 0.5, "quantile_ema": 0.0}
   saved = {"train": {"router_lr_scale": 0.1},
-           "balance": {"quantile_integral": 0.0, "quantile_reroute": True, **now}}
+           "balance": {"quantile_integral": 0.0, "quantile_reroute": True}}
   assert changed_balancing_settings(saved, cfg) == []
   assert changed_balancing_settings({"train": {}, "balance": {}}, cfg) == [
-      "train.router_lr_scale 1.0 -> 0.1", "balance.quantile_reroute False -> True",
-      "balance.quantile_iters 1 -> 4", "balance.quantile_step 1.0 -> 0.5",
-      "balance.quantile_ema 0.5 -> 0.0"]
+      "train.router_lr_scale 1.0 -> 0.1", "balance.quantile_reroute False -> True"]
   # a run saved between 2026-12-03 and 2026-12-06 (integral 0.15, no reroute field)
-  saved = {"train": {"router_lr_scale": 0.1},
-           "balance": {"quantile_integral": 0.15, "quantile_iters": 1, "quantile_step": 1.0,
-                       "quantile_ema": 0.5}}
+  saved = {"train": {"router_lr_scale": 0.1}, "balance": {"quantile_integral": 0.15}}
   assert changed_balancing_settings(saved, cfg) == [
-      "balance.quantile_integral 0.15 -> 0.0", "balance.quantile_reroute False -> True",
-      "balance.quantile_iters 1 -> 4", "balance.quantile_step 1.0 -> 0.5",
-      "balance.quantile_ema 0.5 -> 0.0"]
-  # a run saved on 2026-12-06 (the reroute, one EMA-halved step)
-  saved = {"train": {"router_lr_scale": 0.1},
-           "balance": {"quantile_integral": 0.0, "quantile_reroute": True, "quantile_iters": 1,
-                       "quantile_step": 1.0, "quantile_ema": 0.5}}
-  assert changed_balancing_settings(saved, cfg) == [
-      "balance.quantile_iters 1 -> 4", "balance.quantile_step 1.0 -> 0.5",
-      "balance.quantile_ema 0.5 -> 0.0"]
+      "balance.quantile_integral 0.15 -> 0.0", "balance.quantile_reroute False -> True"]

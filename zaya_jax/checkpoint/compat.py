@@ -132,13 +132,12 @@ def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str 
   return None
 
 
-# Settings whose defaults changed on 2026-12-03, 2026-12-06 and 2026-12-07 (README "Load
-# balancing") and which a resume may change (they are not in the checkpointed state's
-# shapes), with the value a run saved before the field existed had: the default then (no
-# router scaling, no integral, no reroute, one full histogram step halved by the EMA).
+# Settings whose defaults changed on 2026-12-03 and 2026-12-06 (README "Load balancing") and
+# which a resume may change (they are not in the checkpointed state's shapes), with the value a
+# run saved before the field existed had: the default then (no router scaling, no integral, no
+# reroute).
 _BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("balance", "quantile_integral", 0.0),
-                       ("balance", "quantile_reroute", False), ("balance", "quantile_iters", 1),
-                       ("balance", "quantile_step", 1.0), ("balance", "quantile_ema", 0.5))
+                       ("balance", "quantile_reroute", False))
 
 
 def changed_balancing_settings(saved: dict[str, Any], config: RunConfig) -> list[str]:

@@ -208,10 +208,10 @@ class BalanceConfig:
   adamw_eps: float = 1e-8  # "adamw": denominator epsilon (units of the error, a token share)
   adamw_weight_decay: float = 0.0  # "adamw": decoupled weight decay on the controlled biases
   quantile_apply: str = "next"  # "quantile": "next" = route the next steps (causal) | "current" = this batch (not causal)
-  quantile_ema: float = 0.0  # "quantile": b <- ema * b + (1 - ema) * solved; 0 (default since 2026-12-07) = use the solved biases
+  quantile_ema: float = 0.5  # "quantile": b <- ema * b + (1 - ema) * solved; 0 = use the solved biases
   quantile_sweeps: int = 64  # "quantile": most coordinate sweeps over the classes per solve
-  quantile_iters: int = 4  # "quantile" "next": histogram steps per train step (one all-reduce each; 4 since 2026-12-07, 1 before)
-  quantile_step: float = 0.5  # "quantile" "next": fraction of each histogram step taken (0.5 since 2026-12-07, 1.0 before)
+  quantile_iters: int = 1  # "quantile" "next": histogram steps per train step (one all-reduce each)
+  quantile_step: float = 1.0  # "quantile" "next": fraction of each histogram step taken
   quantile_integral: float = 0.0  # "quantile" "next": gain on the running sum of the solved shifts (removes the lag behind a drifting router; without quantile_reroute 0.15 is the tuned value); 0 = the EMA step alone
   quantile_reroute: bool = True  # "quantile" "next" ("current" ignores it): take the histogram step on this batch re-scored by the router after the optimizer update (no lag behind the router's own step)
   bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp

@@ -242,10 +242,9 @@ def histogram_biases(probs_LMX: jax.Array, valid_M: jax.Array, biases_LX: jax.Ar
   whatever the number of classes, layers or devices (the exact `quantile_biases` needs ~35
   global reductions per class and sweep). Moving all classes at once double-counts the tokens
   that two classes exchange (the step is Newton's with the Jacobian's diagonal), so it may
-  overshoot by up to 2x: the default takes `balance.quantile_iters` 4 steps of
-  `quantile_step` 0.5 (until 2026-12-07: one full step halved by `quantile_ema` 0.5). The
-  expert biases are centred (mean 0) when the skip bias is fixed; a layer with no
-  expert-routed tokens keeps its biases.
+  overshoot by up to 2x: `balance.quantile_ema` 0.5 (the default) halves it. The expert biases
+  are centred (mean 0) when the skip bias is fixed; a layer with no expert-routed tokens
+  keeps its biases.
 
   Args:
     probs_LMX, valid_M, biases_LX, skip_target: as `quantile_biases`.
