@@ -34,6 +34,8 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
+  if _OUT.value and (problem := cli_paths.unwritable_file_problem(_OUT.value, "--out")):
+    sys.exit(f"invalid flags: {problem}")
   try:
     cfgs = benchmark.bench_configs(_CONFIG.value)
     r = balance_cost.balance_collectives(

@@ -49,6 +49,8 @@ flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
+  if _OUT.value and (problem := cli_paths.unwritable_file_problem(_OUT.value, "--out")):
+    sys.exit(f"invalid flags: {problem}")
   try:
     ckpt_dir, step, saved = find_run_checkpoint(_WORKDIR.value, _STEP.value)
     cfg = run_config_of(saved)

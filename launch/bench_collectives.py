@@ -53,6 +53,8 @@ flags.mark_flags_as_required(["out"])
 
 
 def main(argv):
+  if problem := cli_paths.unwritable_dir_problem(_OUT.value, "--out"):
+    sys.exit(f"invalid flags: {problem}")
   try:  # Before any JAX computation: the backend must not exist yet.
     collectives.validate(_COLLECTIVES.value, _MIN_BYTES.value, _MAX_BYTES.value, _REPEATS.value,
                          _WARMUP.value, _DTYPE.value)

@@ -75,6 +75,8 @@ def _valid(parse, value) -> bool:
 
 
 def main(argv):
+  if problem := cli_paths.unwritable_dir_problem(_OUT.value, "--out"):
+    sys.exit(f"invalid flags: {problem}")
   try:
     sizes = gemm.sweep_sizes(_MIN.value, _MAX.value, [int(o) for o in _OFFSETS.value])
     grid = gemm.powers_of_two(_MIN.value, _MAX.value)

@@ -44,6 +44,8 @@ flags.mark_flags_as_required(["source", "out"])
 
 
 def main(argv):
+  if problem := cli_paths.unwritable_dir_problem(_OUT.value, "--out"):
+    sys.exit(f"invalid flags: {problem}")
   try:
     options = prepare_lib.PrepareOptions(
         tokenizer=_TOKENIZER.value, text_field=_TEXT_FIELD.value,

@@ -145,6 +145,10 @@ def test_refusals(saved, tmp_path):
     reshape.reshape(saved.directory, str(dst), drop_optimizer=True)
   with pytest.raises(ValueError, match="is the source"):
     reshape.reshape(saved.directory, os.path.dirname(saved.directory))
+  # --dst=RUN/checkpoints wrote RUN/checkpoints/checkpoints/<step> into the source
+  with pytest.raises(ValueError, match="is inside the source's checkpoint directory"):
+    reshape.reshape(saved.directory, saved.directory)
+  assert "checkpoints" not in os.listdir(saved.directory)
   with pytest.raises(ValueError, match=r"--step=7 is not in .* it holds steps \[1, 2, 3\]"):
     reshape.summarize(saved.directory, step=7)
 

@@ -263,6 +263,15 @@ def test_unwritable_outputs_and_bad_values_stop_before_the_work(tmp_path):
   assert cli_paths.unwritable_file_problem(str(tmp_path / "out.json"), "--out") is None
   assert cli_paths.unwritable_file_problem(str(tmp_path), "--out").startswith(
       f"--out={tmp_path} is a directory; pass a file path")
+  assert cli_paths.unwritable_file_problem(f"{a_file}/x.json", "--out") == (
+      f"--out={a_file}/x.json: {a_file} is not a folder; pass a path in a folder")
+  if os.path.exists("/proc/self/mounts"):  # root may "write" to /proc by os.access
+    assert cli_paths.unwritable_dir_problem("/proc/zaya/run", "--workdir") == (
+        "--workdir=/proc/zaya/run: /proc is on the kernel's proc file system, where nothing "
+        "can be created; pass a directory you can write to")
+    assert cli_paths.unwritable_file_problem("/proc/x.json", "--out") == (
+        "--out=/proc/x.json: /proc is on the kernel's proc file system, where nothing can be "
+        "created; pass another path")
   assert _one_line(_run("launch.evaluate", "--workdir=/tmp/x", "--out=/nonexistent_dir/x.json")) == (
       "launch.evaluate: --out=/nonexistent_dir/x.json: the folder /nonexistent_dir does not "
       "exist; create it or pass another path")
@@ -278,3 +287,10 @@ def test_unwritable_outputs_and_bad_values_stop_before_the_work(tmp_path):
       "--num_cpu_devices=8")
   with pytest.raises(ValueError, match="--max_shard_size='0' must be at least one byte"):
     parse_size("0")
+  # an export into the run's own directory overwrote its config.json (status 0)
+  run = tmp_path / "run"
+  run.mkdir()
+  assert _one_line(_run("launch.convert_to_hf", f"--workdir={run}", f"--out={run}")) == (
+      f"invalid flags: --out={run} is the run's own directory and the export would overwrite "
+      "its files; pass a new directory, e.g. --out=/tmp/hf_export")
+  assert os.listdir(run) == []

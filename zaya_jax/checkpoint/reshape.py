@@ -260,8 +260,12 @@ def reshape(src: str, dst: str, *, step: int | None = None, drop_optimizer: bool
   directory, step = resolve_source(src, step)
   where = os.path.join(directory, str(step))
   dst_dir = os.path.join(os.path.abspath(dst), "checkpoints")
-  if os.path.realpath(dst_dir) == os.path.realpath(directory):
+  source_dir = os.path.realpath(directory)
+  if os.path.realpath(dst_dir) == source_dir:
     raise ValueError(f"--dst={dst} is the source; pass a new directory")
+  if (os.path.realpath(dst) + os.sep).startswith(source_dir + os.sep):
+    raise ValueError(f"--dst={dst} is inside the source's checkpoint directory {source_dir}; "
+                     "pass a directory outside it")
   if os.path.isdir(dst_dir) and os.listdir(dst_dir):
     raise ValueError(f"--dst={dst}: {dst_dir} already holds {sorted(os.listdir(dst_dir))}; "
                      "refusing to overwrite, pass a new directory")

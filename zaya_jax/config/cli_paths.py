@@ -106,6 +106,28 @@ def define_config_file(name: str, default: str | None, help_string: str, **kwarg
   return config_flags.DEFINE_config_file(name, default, help_string, **kwargs)
 
 
+# Kernel file systems where os.access says "writable" to root but nothing can be created.
+_PSEUDO_FILE_SYSTEMS = ("proc", "sysfs", "cgroup", "cgroup2", "debugfs", "securityfs",
+                        "tracefs", "configfs", "pstore", "bpf", "efivarfs")
+
+
+def _pseudo_file_system(directory: str) -> str | None:
+  """The type of the kernel file system (`_PSEUDO_FILE_SYSTEMS`) holding `directory`, from
+  /proc/self/mounts (the longest mount point above it); None elsewhere or if unreadable."""
+  try:
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+      mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+  except OSError:
+    return None
+  real = os.path.realpath(directory)
+  best = ("", None)
+  for point, fs_type in mounts:
+    point = point.replace("\\040", " ")
+    if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
+      best = (point, fs_type)
+  return best[1] if best[1] in _PSEUDO_FILE_SYSTEMS else None
+
+
 def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) -> str | None:
   """Why directory `path` cannot be created or written, as one line naming `flag`; None if
   it can. Creates nothing.
@@ -121,6 +143,9 @@ def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) ->
   if not os.path.isdir(probe):
     return (f"{flag}={path}: {probe} is not a directory, so {target} cannot be created there; "
             "pass a directory path")
+  if fs_type := _pseudo_file_system(probe):
+    return (f"{flag}={path}: {probe} is on the kernel's {fs_type} file system, where nothing "
+            "can be created; pass a directory you can write to")
   checked = [probe] + [os.path.join(target, d) for d in subdirs
                        if probe == target and os.path.isdir(os.path.join(target, d))]
   for d in checked:
@@ -145,8 +170,13 @@ def unwritable_file_problem(path: str, flag: str) -> str | None:
   if os.path.isdir(target):
     return f"{flag}={path} is a directory; pass a file path, e.g. {flag}={os.path.join(path, 'out.json')}"
   parent = os.path.dirname(target)
+  if os.path.lexists(parent) and not os.path.isdir(parent):
+    return f"{flag}={path}: {parent} is not a folder; pass a path in a folder"
   if not os.path.isdir(parent):
     return f"{flag}={path}: the folder {parent} does not exist; create it or pass another path"
+  if fs_type := _pseudo_file_system(parent):
+    return (f"{flag}={path}: {parent} is on the kernel's {fs_type} file system, where nothing "
+            "can be created; pass another path")
   if os.path.exists(target) and not os.access(target, os.W_OK):
     return f"{flag}={path}: the file is not writable by this user; pass another path"
   if not os.access(parent, os.W_OK | os.X_OK):
