@@ -19,8 +19,8 @@ from zaya_jax.logs import quiet_third_party
 quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its backends
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Comma-separated launch.train workdirs.")
-_FIRST = flags.DEFINE_integer("first", 200, "First step of the window (inclusive).")
-_LAST = flags.DEFINE_integer("last", 400, "Last step of the window (inclusive).")
+_FIRST = flags.DEFINE_integer("first", 200, "First step of the window (inclusive).", lower_bound=0)
+_LAST = flags.DEFINE_integer("last", 400, "Last step of the window (inclusive).", lower_bound=0)
 _WINDOW = flags.DEFINE_integer("window", 16, "Steps per block of the windowed load figures "
                                "(16 steps of 8 x 256 tokens = 32K tokens).", lower_bound=1)
 _ENTROPY_STEPS = flags.DEFINE_list("entropy_steps", ["100", "200", "400"],
@@ -29,6 +29,11 @@ flags.mark_flag_as_required("workdirs")
 
 
 def main(argv):
+  if not _WORKDIRS.value:
+    sys.exit("invalid flags: --workdirs is empty; e.g. --workdirs=/tmp/run_a,/tmp/run_b")
+  if bad := [s for s in _ENTROPY_STEPS.value if not s.strip().isdigit()]:
+    sys.exit(f"invalid flags: --entropy_steps={','.join(_ENTROPY_STEPS.value)}: {bad[0]!r} is "
+             "not a step number; e.g. --entropy_steps=100,200,400")
   try:
     steps = [int(s) for s in _ENTROPY_STEPS.value]
     rows = [balance_report.summarize(w, _FIRST.value, _LAST.value, steps, _WINDOW.value)

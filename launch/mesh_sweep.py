@@ -63,6 +63,8 @@ def main(argv):
     meshes = parse_meshes(_MESHES.value)
   except (ConfigError, ValueError) as e:
     sys.exit(f"invalid arguments: {e}")
+  if not meshes:
+    sys.exit("invalid flags: --meshes is empty; e.g. --meshes='1,1,8;2,1,4'")
   batch = _BATCH.value or train_cfg.batch_size
   seq = _SEQ.value or train_cfg.seq_len
   note = mesh_sweep.host_note()

@@ -48,10 +48,10 @@ _LOCAL_DEVICE_IDS = flags.DEFINE_list(
     "local_device_ids", None, "Local devices this process uses, e.g. 0,1 (default: JAX's choice).")
 _INIT_TIMEOUT = flags.DEFINE_integer(
     "initialization_timeout", distributed.INITIALIZATION_TIMEOUT_S,
-    "Seconds to wait for all processes to join before failing.")
+    "Seconds to wait for all processes to join before failing.", lower_bound=1)
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", distributed.HEARTBEAT_TIMEOUT_S,
-    "Seconds without a heartbeat after which a process counts as dead and the others exit.")
+    "Seconds without a heartbeat after which a process counts as dead and the others exit.", lower_bound=1)
 flags.mark_flags_as_required(["config"])
 
 

@@ -287,6 +287,15 @@ def test_unwritable_outputs_and_bad_values_stop_before_the_work(tmp_path):
       "--num_cpu_devices=8")
   with pytest.raises(ValueError, match="--max_shard_size='0' must be at least one byte"):
     parse_size("0")
+  # status 0 with an empty table / a traceback-free error naming no flag / a negative rate
+  assert _one_line(_run("launch.balance_report", "--workdirs=")) == (
+      "invalid flags: --workdirs is empty; e.g. --workdirs=/tmp/run_a,/tmp/run_b")
+  assert _one_line(_run("launch.balance_report", "--workdirs=/tmp/x", "--entropy_steps=a,b")) == (
+      "invalid flags: --entropy_steps=a,b: 'a' is not a step number; e.g. "
+      "--entropy_steps=100,200,400")
+  assert _one_line(_run("launch.bench_loader", "--batch_size=-1")) == (
+      "invalid flags: --batch_size=-1: the value must be a positive integer, e.g. "
+      "--batch_size=...")
   # an export into the run's own directory overwrote its config.json (status 0)
   run = tmp_path / "run"
   run.mkdir()
