@@ -33,19 +33,23 @@ quiet_third_party()  # first: JAX/Orbax INFO lines off before JAX picks its back
 _CONFIG = cli_paths.define_config_file(
     "config", None, "Config whose model GEMMs to add, e.g. configs/zaya1_base.py.",
     lock_config=True)
-_TOKENS = flags.DEFINE_integer("tokens", 4096, "Tokens per device (M) of the model's GEMMs.", lower_bound=1)
-_EP = flags.DEFINE_integer("expert_parallel", 1, "Size of the expert mesh axis (rows per expert).", lower_bound=1)
+_TOKENS = flags.DEFINE_integer("tokens", 4096, "Tokens per device (M) of the model's GEMMs.",
+                               lower_bound=1)
+_EP = flags.DEFINE_integer("expert_parallel", 1, "Size of the expert mesh axis (rows per expert).",
+                           lower_bound=1)
 _DTYPES = flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Dtypes: bfloat16, float32.")
 _SWEEPS = flags.DEFINE_list("sweeps", list(gemm.SWEEPS), f"Sweeps, any of {gemm.SWEEPS}.")
 _MIN = flags.DEFINE_integer("min_size", 64, "Smallest swept dimension.", lower_bound=1)
 _MAX = flags.DEFINE_integer("max_size", 1024, "Largest swept dimension.", lower_bound=1)
-_BASE = flags.DEFINE_integer("base_size", 512, "Fixed dimensions of the m/n/k lines; grid K.", lower_bound=1)
+_BASE = flags.DEFINE_integer("base_size", 512, "Fixed dimensions of the m/n/k lines; grid K.",
+                             lower_bound=1)
 _OFFSETS = flags.DEFINE_list("offsets", ["-64", "64"], "Neighbours p + o of each power of two.")
 _PROFILE = flags.DEFINE_string("profile", None, f"Peak profile, one of {sorted(accelerators.PROFILES)}"
                                "; default: detected (none on CPU: measured peak).")
 _LOW = flags.DEFINE_float("low_fraction", 0.5, "Mark shapes below this fraction of the best.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per shape (median).", lower_bound=1)
-_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed calls per shape (the first compiles).", lower_bound=0)
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed calls per shape (the first compiles).",
+                               lower_bound=0)
 _OUT = flags.DEFINE_string("out", None, "Folder for bench_gemm.csv and bench_gemm.png.")
 flags.mark_flag_as_required("out")
 

@@ -33,14 +33,18 @@ _CONFIG = cli_paths.define_config_file(
     lock_config=True)
 _DATA = flags.DEFINE_string("data", None, "data.source: a prepared directory, raw globs or stdlib.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "byte", "data.tokenizer for a raw source.")
-_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per row; default config.train.seq_len.", lower_bound=1)
+_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per row; default config.train.seq_len.",
+                            lower_bound=1)
 _BATCH = flags.DEFINE_integer("batch_size", None, "Rows per batch on this process; default the "
-                              "per-process share of the global batch at --num_devices.", lower_bound=1)
+                              "per-process share of the global batch at --num_devices.",
+                              lower_bound=1)
 _WORKERS = flags.DEFINE_list("num_workers", ["0", "1", "2"], "Loader worker counts to time.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Batches timed per worker count (after the first).", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 20, "Batches timed per worker count (after the first).",
+                              lower_bound=1)
 _PROFILE = flags.DEFINE_string("profile", "mi300x", "Accelerator profile of the step time.")
 _DEVICES = flags.DEFINE_integer("num_devices", 64, "Devices of the training mesh.", lower_bound=1)
-_PER_PROCESS = flags.DEFINE_integer("devices_per_process", 8, "Devices one process feeds.", lower_bound=1)
+_PER_PROCESS = flags.DEFINE_integer("devices_per_process", 8, "Devices one process feeds.",
+                                    lower_bound=1)
 _SHUFFLE = flags.DEFINE_bool("shuffle_rows", True, "data.shuffle_rows: the row shuffle on or off.")
 _SYNTHETIC = flags.DEFINE_integer("synthetic_documents", None, "Measure the index on this many "
                                   "synthetic documents instead of reading --data.")

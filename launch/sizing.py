@@ -58,18 +58,21 @@ _MESH = flags.DEFINE_string("mesh", None, "data,fsdp,expert[,context] sizes (one
 _BATCH = flags.DEFINE_integer("batch_size", None, "Global sequences per step; default "
                               "config.train.batch_size rounded up to a multiple of the batch shards "
                               "(num_devices / context).", lower_bound=1)
-_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence; default config.train.seq_len.", lower_bound=1)
+_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence; default config.train.seq_len.",
+                            lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(roofline.DTYPE_BYTES), "GEMM compute dtype.")
 _REMAT = flags.DEFINE_enum("remat", None, list(roofline.REMATS),
                            "Rematerialisation; default from config.model.remat.")
-_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences per decode step (one device).", lower_bound=1)
+_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences per decode step (one device).",
+                                     lower_bound=1)
 _GEMM_TABLE = flags.DEFINE_string("gemm_table", None, "CSV from launch.bench_gemm: measured GEMM "
                                   "times replace the roofline's (default: roofline only).")
 _PREDICT = flags.DEFINE_bool("predict_step", False, "Compile the train step on fake CPU devices "
                              "and price its collectives on --mesh (zaya_jax.perf.predict).")
 _COMPILE_MESH = flags.DEFINE_string("compile_mesh", "2,2,8", "--predict_step: data,fsdp,expert of "
                                     "the fake-CPU mesh compiled (its product = fake devices).")
-_SEQS = flags.DEFINE_integer("seqs_per_device", 1, "--predict_step: sequences per device per step.", lower_bound=1)
+_SEQS = flags.DEFINE_integer("seqs_per_device", 1, "--predict_step: sequences per device per step.",
+                             lower_bound=1)
 _VARIANTS = flags.DEFINE_list("balance_variants", None, "--predict_step: balancing variants "
                               "(none, quantile:next, quantile:reroute, quantile:current, adamw, "
                               "pid, sign); default "

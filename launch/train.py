@@ -51,7 +51,8 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
     "Seconds to wait for all processes to join before failing.", lower_bound=1)
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", distributed.HEARTBEAT_TIMEOUT_S,
-    "Seconds without a heartbeat after which a process counts as dead and the others exit.", lower_bound=1)
+    "Seconds without a heartbeat after which a process counts as dead and the others exit.",
+    lower_bound=1)
 flags.mark_flags_as_required(["config"])
 
 
