@@ -134,7 +134,9 @@ def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) ->
 
   Checks the nearest existing directory of `path` (itself, or the ancestor it would be
   created in) and, when `path` exists, its existing `subdirs` (e.g. "checkpoints"): each must
-  allow writing (`os.access`, which reports a read-only mount for root too).
+  allow writing (`os.access`, which reports a read-only mount for root too), and none may lie
+  on a kernel file system such as /proc or /sys, which `os.access` calls writable for root
+  (`_pseudo_file_system`).
   """
   target = os.path.abspath(path)
   probe = target
@@ -164,11 +166,13 @@ def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) ->
 
 def unwritable_file_problem(path: str, flag: str) -> str | None:
   """Why file `path` cannot be written, as one line naming `flag`; None if it can. Creates
-  nothing: `path` must not be a directory, and its directory must exist and be writable (an
-  output file's folder is not created; `unwritable_dir_problem` for folders)."""
+  nothing: `path` must not be a directory, and its directory must exist, be a folder, lie off
+  the kernel file systems and be writable (an output file's folder is not created;
+  `unwritable_dir_problem` for folders)."""
   target = os.path.abspath(path)
   if os.path.isdir(target):
-    return f"{flag}={path} is a directory; pass a file path, e.g. {flag}={os.path.join(path, 'out.json')}"
+    return (f"{flag}={path} is a directory; pass a file path, e.g. "
+            f"{flag}={os.path.join(path, 'out.json')}")
   parent = os.path.dirname(target)
   if os.path.lexists(parent) and not os.path.isdir(parent):
     return f"{flag}={path}: {parent} is not a folder; pass a path in a folder"
