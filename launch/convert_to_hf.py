@@ -15,7 +15,6 @@ router's skip balancing bias to -1 on load. A missing --workdir or --step, or an
 checkpoint, exits non-zero with one line naming it (and the steps that exist).
 """
 
-import os
 import sys
 
 from absl import app, flags
@@ -37,11 +36,6 @@ flags.mark_flags_as_required(["workdir", "out"])
 def main(argv):
   if problem := cli_paths.unwritable_dir_problem(_OUT.value, "--out"):
     sys.exit(f"invalid flags: {problem}")
-  out, run = os.path.realpath(_OUT.value), os.path.realpath(_WORKDIR.value)
-  if out == run or (out + os.sep).startswith(os.path.join(run, "checkpoints") + os.sep):
-    sys.exit(f"invalid flags: --out={_OUT.value} is the run's own directory "
-             f"{'' if out == run else '(its checkpoints) '}and the export would overwrite its "
-             "files; pass a new directory, e.g. --out=/tmp/hf_export")
   try:
     max_shard = runs.parse_size(_MAX_SHARD.value)
   except ValueError as e:

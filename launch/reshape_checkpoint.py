@@ -52,7 +52,7 @@ def main(argv):
         print(line)
   except ValueError as e:  # bad paths, an existing --dst, a corrupt source: one message
     sys.exit(f"reshape_checkpoint: {e}")
-  except OSError as e:  # --dst cannot be created (e.g. under /proc, where os.access says yes)
+  except OSError as e:  # --dst cannot be created though the up-front check passed
     sys.exit(f"reshape_checkpoint: --dst={_DST.value}: cannot write there: "
              f"{e.strerror or e}; pass a directory you can write to")
 

@@ -351,9 +351,15 @@ def export_run(workdir: str, out_dir: str, step: int | None = None, dtype: str =
 
   Raises:
     ConvertError: no such `workdir` or `step` (the steps that exist are named), a checkpoint
-      with no usable model config or unreadable arrays, an `out_dir` that cannot be written,
+      with no usable model config or unreadable arrays, an `out_dir` that cannot be written
+      or that is the run's own directory or inside its checkpoints (checked before reading),
       or a tokenizer whose vocabulary lacks the model's special ids.
   """
+  out, run = os.path.realpath(out_dir), os.path.realpath(workdir)
+  if out == run or (out + os.sep).startswith(os.path.join(run, "checkpoints") + os.sep):
+    raise ConvertError(f"invalid flags: --out={out_dir} is the run's own directory "
+                       f"{'' if out == run else '(its checkpoints) '}and the export would "
+                       "overwrite its files; pass a new directory, e.g. --out=/tmp/hf_export")
   start = time.perf_counter()
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   model, saved, step = load_run_model(workdir, step, cpu)
