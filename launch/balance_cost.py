@@ -37,6 +37,8 @@ def main(argv):
   if _OUT.value and (problem := cli_paths.unwritable_file_problem(_OUT.value, "--out")):
     sys.exit(f"invalid flags: {problem}")
   try:
+    for v in _VARIANTS.value:
+      benchmark.parse_balance_variant(v, "--variants")  # before the config's minutes of compiling
     cfgs = benchmark.bench_configs(_CONFIG.value)
     r = balance_cost.balance_collectives(
         cfgs.model, cfgs.train, cfgs.mesh, _VARIANTS.value, batch_size=cfgs.train.batch_size,

@@ -75,6 +75,8 @@ def main(argv):
                          ("mean_tokens", _MEAN_TOKENS)):
         if flag.value < 1:
           raise ValueError(f"--{name}={flag.value} must be >= 1")
+      if problem := cli_paths.unwritable_dir_problem(_SYNTHETIC_DIR.value, "--synthetic_dir"):
+        raise ValueError(problem)
       result = loader_scale.measure_scale(
           _SYNTHETIC.value, _SYNTHETIC_DIR.value, seq_len=need.seq_len, batch_size=batch,
           steps=_STEPS.value, docs_per_shard=_DOCS_PER_SHARD.value,

@@ -32,7 +32,8 @@ _CONFIG = cli_paths.define_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (holding checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate; default the latest.")
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "A Hugging Face directory (config.json + *.safetensors).")
-_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", None, "Batches to evaluate; default train.eval_batches.")
+_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", None, "Batches to evaluate; default "
+                                     "train.eval_batches.", lower_bound=1)
 _DATA_SOURCE = flags.DEFINE_string("data_source", None, "Evaluate the eval split of this data.source.")
 _OUT = flags.DEFINE_string("out", None, "Write the JSON record to this file instead of stdout.")
 _APPEND = flags.DEFINE_bool("append_metrics", False, "Also append the record to WORKDIR/metrics.jsonl.")
@@ -44,6 +45,9 @@ def _config():
   if _HF_DIR.value:
     if _WORKDIR.value:
       raise ConfigError("pass one of --workdir and --hf_dir")
+    if _APPEND.value:
+      raise ConfigError("--append_metrics appends to a run's metrics.jsonl and --hf_dir has none; "
+                        "drop it (or use --out=FILE)")
     if override is None:
       raise ConfigError("--hf_dir needs --config=... for the data and tokenizer "
                         "(e.g. --config=configs/zaya1_tiny.py)")
@@ -82,7 +86,7 @@ def main(argv):
       f.write(text + "\n")
   else:
     print(text)
-  if _APPEND.value and _WORKDIR.value:
+  if _APPEND.value:
     with open(os.path.join(_WORKDIR.value, "metrics.jsonl"), "a") as f:
       f.write(text + "\n")
 

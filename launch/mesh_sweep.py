@@ -18,6 +18,7 @@ Writes OUT/mesh_sweep.csv and OUT/mesh_sweep.png. All logic lives in
 
 import sys
 
+import jax
 from absl import app, flags
 
 from zaya_jax.config import ConfigError, synthetic_configs
@@ -65,6 +66,11 @@ def main(argv):
     sys.exit(f"invalid arguments: {e}")
   if not meshes:
     sys.exit("invalid flags: --meshes is empty; e.g. --meshes='1,1,8;2,1,4'")
+  for mesh_cfg in meshes:  # before any compile: a row for a mesh that cannot be built is no result
+    try:
+      mesh_cfg.shape(jax.device_count())
+    except ValueError as e:
+      sys.exit(f"invalid flags: --meshes: {e} (--num_cpu_devices or XLA_FLAGS sets the count)")
   batch = _BATCH.value or train_cfg.batch_size
   seq = _SEQ.value or train_cfg.seq_len
   note = mesh_sweep.host_note()
@@ -74,6 +80,10 @@ def main(argv):
                               steps=0 if _COMPILE_ONLY.value else _STEPS.value, balance=balance)
   mesh_sweep.write_report(rows, _OUT.value, num_layers=_CONFIG.value.model.num_layers,
                           batch_size=batch, seq_len=seq, note=note)
+  failed = [row for row in rows if row["note"].startswith("failed")]
+  if failed:
+    sys.exit(f"launch.mesh_sweep: {len(failed)} of {len(rows)} rows failed (their `note` column "
+             f"in {_OUT.value}/mesh_sweep.csv gives why), e.g. {failed[0]['note']}")
 
 
 def run_main():

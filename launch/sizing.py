@@ -88,6 +88,11 @@ _INTRA_LAT = flags.DEFINE_float("intra_latency_us", 10.0, "--predict_step: secon
 _INTER_LAT = flags.DEFINE_float("inter_latency_us", 25.0, "--predict_step: seconds x 1e-6 per "
                                 "inter-node algorithm step.")
 flags.mark_flags_as_required(["config"])
+for _name in ("intra_GBps", "inter_GBps"):
+  flags.register_validator(_name, lambda v: v is None or v > 0,
+                           "must be > 0 (GB/s; leave the flag out for the profile's peak)")
+for _name in ("intra_latency_us", "inter_latency_us"):
+  flags.register_validator(_name, lambda v: v >= 0, "must be >= 0 (microseconds)")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -130,7 +135,7 @@ def _predict(model_cfg, train_cfg, balance, profile) -> None:
     default = ["none"] + ([balance_variant_name(balance)] if balance.enabled else [])
     variants = _VARIANTS.value or default
     for v in variants:
-      parse_balance_variant(v)
+      parse_balance_variant(v, "--balance_variants")
   except ValueError as e:
     sys.exit(f"invalid arguments: {e}")
   use_cpu_devices(compile_mesh.data * compile_mesh.fsdp * compile_mesh.expert)

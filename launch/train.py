@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from zaya_jax.parallel import distributed
 from zaya_jax.checkpoint import CorruptCheckpointError
-from zaya_jax.config import ConfigError, cli_paths
+from zaya_jax.config import ConfigError, cli_paths, resolve
 from zaya_jax.config.describe import describe, field_docs
 from zaya_jax.train import run
 from zaya_jax.train.loop import TrainingError
@@ -54,6 +54,9 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "Seconds without a heartbeat after which a process counts as dead and the others exit.",
     lower_bound=1)
 flags.mark_flags_as_required(["config"])
+flags.register_validator("local_device_ids",
+                         lambda v: v is None or all(i.strip().isdigit() for i in v),
+                         "must be local device numbers (integers >= 0)")
 
 
 def parse_flags(argv):
@@ -97,6 +100,10 @@ def main(argv):
     distributed.check_backend()
   except ValueError as e:  # e.g. JAX_PLATFORMS=rocm with the CPU-only jaxlib
     sys.exit(str(e))
+  try:  # before the first console line: a bad config is the only line printed
+    resolve(_CONFIG.value, process_count=jax.process_count())
+  except ConfigError as e:
+    sys.exit(f"invalid config: {e}")
   if jax.process_index() == 0:
     logging.info("%s: %s", f"distributed ({method})" if method else "single process", distributed.describe())
   try:

@@ -24,6 +24,7 @@ without a mesh (the default local dispatch drops nothing).
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import NamedTuple
 
@@ -164,6 +165,34 @@ class Generation(NamedTuple):
   steady_steps: int
 
 
+def memory_limit_bytes() -> int:
+  """Bytes the decoding cache may take: the first device's `bytes_limit` where the backend
+  reports one (GPU), else the host's physical memory (CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_fits(cfg, batch: int, prompt_len: int, max_new_tokens: int) -> None:
+  """Raises ValueError naming max_new_tokens when the cache `[L, B, P + N, K, H]` (shapes from
+  `jax.eval_shape`, nothing allocated) and the int64 token buffer `[B, P + N]` exceed
+  `memory_limit_bytes()`."""
+  if max_new_tokens == 0:
+    return
+  cache = jax.eval_shape(functools.partial(init_cache, cfg, batch, prompt_len + max_new_tokens))
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  need += batch * (prompt_len + max_new_tokens) * 8
+  limit = memory_limit_bytes()
+  if need > limit:
+    per_token = need / (prompt_len + max_new_tokens)
+    raise ValueError(
+        f"max_new_tokens={max_new_tokens} needs {need / 2**30:,.1f} GiB of decoding cache for "
+        f"{batch} row(s) (prompt {prompt_len} tokens) but {jax.devices()[0].platform} has "
+        f"{limit / 2**30:,.1f} GiB: at most ~{max(int(limit / per_token) - prompt_len, 0):,} "
+        "new tokens fit; lower max_new_tokens or the number of rows")
+
+
 def generate(model: ZayaForCausalLM, input_ids_BP, max_new_tokens: int, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              eos_token_id: int | None = None, pad_token_id: int | None = None,
@@ -188,8 +217,9 @@ def generate(model: ZayaForCausalLM, input_ids_BP, max_new_tokens: int, *,
   Returns:
     A `Generation`.
   Raises:
-    ValueError: naming the argument, for a bad shape, max_new_tokens < 0, temperature < 0 or
-      top_p outside (0, 1].
+    ValueError: naming the argument, for a bad shape, max_new_tokens < 0 or too many to fit
+      the decoding cache in memory (`memory_limit_bytes`), temperature < 0 or top_p outside
+      (0, 1].
   """
   prompt_BP = np.asarray(input_ids_BP, np.int64)
   if prompt_BP.ndim != 2 or prompt_BP.shape[1] < 1:
@@ -203,6 +233,7 @@ def generate(model: ZayaForCausalLM, input_ids_BP, max_new_tokens: int, *,
     raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = no nucleus filtering)")
   pad = model.cfg.pad_token_id if pad_token_id is None else pad_token_id
   b, p = prompt_BP.shape
+  _check_fits(model.cfg, b, p, max_new_tokens)
   out_BT = np.full((b, p + max_new_tokens), pad, np.int64)
   out_BT[:, :p] = prompt_BP
   if max_new_tokens == 0:

@@ -10,14 +10,17 @@ into one repeated token, which would let a broken decoder pass. transformers' ca
 compared.
 """
 
+import jax
 import numpy as np
 import pytest
 import torch
 from transformers import ZayaForCausalLM
 
 from tests.model import hf_reference
+from zaya_jax import generate as generation
 from zaya_jax.generate import generate, greedy_generate_recompute
 from zaya_jax.hf import load_pretrained
+from zaya_jax.model.transformer import init_cache
 
 PROMPT = 8  # tokens
 NEW = 12  # tokens
@@ -90,6 +93,23 @@ def test_greedy_rejects_bad_input(models):
     greedy_generate_recompute(ours, prompt.numpy()[0], 2)
   with pytest.raises(ValueError, match="max_new_tokens"):
     greedy_generate_recompute(ours, prompt.numpy(), -1)
+
+
+def test_generate_refuses_a_cache_over_memory(models, monkeypatch):
+  """A max_new_tokens whose cache cannot fit is one ValueError before anything is allocated
+  (it was a 7 TiB allocation traceback), and the bound is the cache's real size."""
+  _, ours, prompt = models
+  prompt_BP = prompt.numpy()
+  with pytest.raises(ValueError, match=r"max_new_tokens=1000000000000 needs [\d,.]+ GiB .* "
+                     r"lower max_new_tokens or the number of rows"):
+    generate(ours, prompt_BP, 10**12)
+  b, p = prompt_BP.shape
+  cache = init_cache(ours.cfg, b, p + NEW)  # what generate(..., NEW) allocates
+  need = sum(x.nbytes for x in jax.tree.leaves(cache)) + b * (p + NEW) * 8
+  monkeypatch.setattr(generation, "memory_limit_bytes", lambda: need)
+  generation._check_fits(ours.cfg, b, p, NEW)  # exactly fits
+  with pytest.raises(ValueError, match=f"max_new_tokens={NEW + 1} needs"):
+    generation._check_fits(ours.cfg, b, p, NEW + 1)
 
 
 @pytest.mark.slow

@@ -170,6 +170,12 @@ def test_bad_inputs_exit_with_a_message(chain, tmp_path):
   cases.append((("launch.convert_from_hf", f"--hf_dir={truncated}", f"--workdir={tmp_path / 'w3'}",
                  *CONFIG),
                 f"{truncated}/model.safetensors: not a readable safetensors file"))
+  a_file = tmp_path / "a_file"  # a --workdir under a file was a raw errno
+  a_file.write_text("x")
+  cases.append((("launch.convert_from_hf", f"--hf_dir={chain['hf']}", f"--workdir={a_file}/w",
+                 *CONFIG),
+                f"--workdir={a_file}/w: {a_file} is not a directory, so {a_file}/w cannot be "
+                "created there; pass a directory path"))
   for (module, *args), message in cases:
     code, out = cli(module, *args, cache_dir=cache, check=False)
     assert code != 0, (module, args, out[-2000:])
@@ -177,4 +183,4 @@ def test_bad_inputs_exit_with_a_message(chain, tmp_path):
     assert "Traceback" not in out, (module, args[:2], out[-3000:])
   assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
   assert not (tmp_path / "w1").exists()  # refused before anything was written
-  assert not (tmp_path / "w3" / "checkpoints" / "0").exists()  # no step-0 checkpoint
+  assert not (tmp_path / "w3").exists()  # a failed import removes the folders it made

@@ -163,7 +163,21 @@ def test_flag_error_lines():
   absl_flags.DEFINE_enum("mode", "next", ["next", "current"], "m", flag_values=values)
   absl_flags.DEFINE_string("workdir", None, "dir", flag_values=values)
   absl_flags.mark_flag_as_required("workdir", flag_values=values)
+  absl_flags.DEFINE_integer("min_size", 64, "n", flag_values=values)
+  absl_flags.DEFINE_integer("max_size", 128, "n", flag_values=values)
+  absl_flags.DEFINE_list("kernels", ["copy"], "k", flag_values=values)
+  absl_flags.register_validator("min_size", lambda v: v >= 1, "must be >= 1", flag_values=values)
+  absl_flags.register_validator("kernels", lambda v: set(v) <= {"copy", "scale"},
+                                "must be a subset of ('copy', 'scale')", flag_values=values)
+  absl_flags.register_multi_flags_validator(
+      ["min_size", "max_size"], lambda f: f["min_size"] <= f["max_size"],
+      "--min_size must be <= --max_size", flag_values=values)
   cases = {
+      # register_validator messages were absl's `flag --min_size=0: must be >= 1 (see --help)`
+      "--min_size=0": "--min_size=0: the value must be >= 1, e.g. --min_size=64",
+      "--kernels=copy,bogus": ("--kernels=copy,bogus: the value must be a subset of ('copy', "
+                               "'scale'), e.g. --kernels=copy"),
+      "--min_size=500": "--min_size=500, --max_size=128: --min_size must be <= --max_size",
       "--batches=abc": "--batches=abc: the value must be an integer, e.g. --batches=64",
       "--lr=x": "--lr=x: the value must be a number, e.g. --lr=3e-4",  # no default
       "--temperature=x": "--temperature=x: the value must be a number, e.g. --temperature=0.8",
@@ -181,6 +195,7 @@ def test_flag_error_lines():
     with pytest.raises(absl_flags.Error) as e:
       values(["prog", "--workdir=x", arg])
     assert flag_error(e.value, values) == "invalid flags: " + want, arg
+    values.unparse_flags()  # a value that failed its validator stays set otherwise
   values = absl_flags.FlagValues()  # a fresh set: --workdir was given above
   absl_flags.DEFINE_string("workdir", None, "dir", flag_values=values)
   absl_flags.mark_flag_as_required("workdir", flag_values=values)
@@ -303,3 +318,51 @@ def test_unwritable_outputs_and_bad_values_stop_before_the_work(tmp_path):
       f"invalid flags: --out={run} is the run's own directory and the export would overwrite "
       "its files; pass a new directory, e.g. --out=/tmp/hf_export")
   assert os.listdir(run) == []
+
+
+def test_second_trial_leftovers_are_one_line(tmp_path):
+  """The bad inputs a fresh-user trial found still giving a traceback, a raw errno, the
+  wrong flag's name, status 0 with failed rows or a silent no-op: one line, status 1, naming
+  the flag, before any compile (the dispatch sweep and the collective count compile for
+  minutes)."""
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  sizing = ("launch.sizing", "--config=configs/zaya1_tiny.py", "--num_devices=8", "--predict_step")
+  wrong_mode = ("balance.mode='bogus' must be one of \"pid\", \"sign\", \"adamw\", \"quantile\" "
+                "(e.g. none, pid, sign, adamw, quantile:current, quantile:next, quantile:reroute)")
+  assert _one_line(_run(*sizing, "--balance_variants=bogus")) == (  # it named --compare_balance
+      f"invalid arguments: --balance_variants entry 'bogus': {wrong_mode}")
+  assert _one_line(_run(*sizing, "--intra_GBps=0")) == (  # silently the profile's peak
+      "invalid flags: --intra_GBps=0.0: the value must be > 0 (GB/s; leave the flag out for the "
+      "profile's peak), e.g. --intra_GBps=...")
+  assert _one_line(_run("launch.balance_cost", "--config=configs/zaya1_tiny.py",
+                        "--variants=none,bogus")) == (  # after compiling "none"
+      f"invalid arguments: --variants entry 'bogus': {wrong_mode}")
+  assert _one_line(_run("launch.mesh_sweep", "--config=configs/zaya1_tiny.py",
+                        f"--out={tmp_path / 'ms'}", "--meshes=2,2,4")) == (  # status 0, a failed row
+      "invalid flags: --meshes: mesh {'data': 2, 'fsdp': 2, 'expert': 4, 'context': 1}: the "
+      "product of the fixed axes (16) does not divide the 8 devices; choose sizes whose product "
+      "divides 8 (--num_cpu_devices or XLA_FLAGS sets the count)")
+  assert not (tmp_path / "ms").exists()
+  assert _one_line(_run("launch.train", "--config=configs/zaya1_tiny.py",
+                        f"--workdir={tmp_path / 'w'}", "--local_device_ids=a,b")) == (
+      "invalid flags: --local_device_ids=a,b: the value must be local device numbers (integers "
+      ">= 0), e.g. --local_device_ids=...")
+  assert _one_line(_run("launch.bench_loader", "--synthetic_documents=10",
+                        f"--synthetic_dir={a_file}/x")) == (  # [Errno 20] Not a directory
+      f"launch.bench_loader: --synthetic_dir={a_file}/x: {a_file} is not a directory, so "
+      f"{a_file}/x cannot be created there; pass a directory path")
+  assert _one_line(_run("launch.evaluate", f"--hf_dir={tmp_path}", "--config=configs/zaya1_tiny.py",
+                        "--append_metrics")) == (  # silently ignored
+      "launch.evaluate: --append_metrics appends to a run's metrics.jsonl and --hf_dir has none; "
+      "drop it (or use --out=FILE)")
+  assert _one_line(_run("launch.evaluate", f"--workdir={tmp_path}", "--eval_batches=0")) == (
+      "invalid flags: --eval_batches=0: the value must be a positive integer, e.g. "
+      "--eval_batches=...")
+  # a config error was the second line, after the console's `single process: ...` INFO line
+  assert _one_line(_run("launch.train", "--config=configs/zaya1_tiny.py",
+                        f"--workdir={tmp_path / 'w2'}", "--config.train.eval_batches=2",
+                        "--config.data.eval_fraction=0.0")) == (
+      "invalid config: train.eval_batches=2 but data.eval_fraction=0 holds out no documents; set "
+      "train.eval_batches=0 or data.eval_fraction > 0")
+  assert not (tmp_path / "w2").exists()

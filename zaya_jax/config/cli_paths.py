@@ -217,6 +217,9 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
     a flag left without its value: `--window needs a value, e.g. --window=16`;
     a required flag left out: `--workdir is required, e.g. --workdir=...`;
     a --flagfile that cannot be read: `--flagfile: cannot read it: [Errno 2] ...`;
+    a registered validator's "must ..." message: `--min_size=0: the value must be >= 1, e.g.
+      --min_size=64`; a multi-flag validator's: `--min_size=500, --max_size=128: --min_size
+      must be <= --max_size`;
   anything else (an unknown flag) is absl's message flattened, with `see --help`. Every line
   starts with `invalid flags: `."""
   text = " ".join(str(error).split())
@@ -253,6 +256,15 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
       options = choice.group(1).split("|")
       return (f"invalid flags: {flag}={value}: the value must be one of "
               f"{', '.join(options)}, e.g. {flag}={_example(values, name, options[0])}")
+    if why.startswith("must "):  # an entry point's register_validator message
+      if value.startswith("[") and value.endswith("]"):  # a list flag's value, as typed
+        value = ",".join(re.findall(r"'([^']*)'", value))
+      return (f"invalid flags: {flag}={value}: the value {why}, e.g. "
+              f"{flag}={_example(values, name, '...')}")
+  multi = re.match(r"flags ([\w.]+=.*?): (--.*)$", text)  # a multi-flag validator
+  if multi:
+    given = ", ".join("--" + part for part in multi.group(1).split(", "))
+    return f"invalid flags: {given}: {multi.group(2)}"
   return f"invalid flags: {text} (see --help)"
 
 

@@ -40,7 +40,7 @@ from flax import nnx
 
 from zaya_jax.checkpoint import (Checkpointer, find_run_checkpoint, restore_model_state,
                                  saved_model_config)
-from zaya_jax.config import ConfigError, RunConfig, resolve
+from zaya_jax.config import ConfigError, RunConfig, cli_paths, resolve
 from zaya_jax.hf.export_hf import save_pretrained, skip_can_win
 from zaya_jax.hf.hf_config import ConvertError, architecture_differences, read_hf_config
 from zaya_jax.hf.hf_tokenizer import byte_tokenizer_json, write_tokenizer_files
@@ -128,6 +128,15 @@ def _write_step0(cfg: RunConfig, hf_dir: str, ckpt: Checkpointer) -> None:
     ckpt.save(state, data_iter, cfg)
 
 
+def _remove_empty(dirs: list[str]) -> None:
+  """Removes each of `dirs` (innermost last in the list) that exists and is empty."""
+  for d in reversed(dirs):
+    try:
+      os.rmdir(d)
+    except OSError:  # gone already, or holds something: left as it is
+      pass
+
+
 def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str,
                   tokenizer_source: str | None = None) -> str:
   """Writes `hf_dir` (a transformers save_pretrained directory) as step 0 of a run in `workdir`.
@@ -148,7 +157,9 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str,
   Raises:
     ConvertError: no such `hf_dir` or no config.json there; an architecture field that
       differs (all are named); a `workdir` that is a file or already holds a checkpoint; a
-      checkpoint whose tensors do not fit. Nothing is written before the checks pass.
+      checkpoint whose tensors do not fit. Nothing is written before the checks pass, and
+      a failed import removes the folders it created (while empty) and the tokenizer files
+      it copied.
   """
   start = time.perf_counter()
   hf_cfg = read_hf_config(hf_dir)
@@ -162,23 +173,39 @@ def import_to_run(cfg: RunConfig, hf_dir: str, workdir: str,
   steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if os.path.isdir(ckpt_dir) else []
   if steps:  # refused before an Orbax manager (and its threads) exists
     raise ConvertError(f"{ckpt_dir} already holds checkpoint step {steps[-1]}; pass a fresh --workdir")
+  if problem := cli_paths.unwritable_dir_problem(workdir, "--workdir", subdirs=("checkpoints",)):
+    raise ConvertError(problem)
+  # What a failed import leaves is removed again: the folders it created while empty, the
+  # tokenizer files it copied (nothing that was there before is touched).
+  new_dirs = [d for d in (os.path.abspath(workdir), os.path.abspath(ckpt_dir))
+              if not os.path.exists(d)]
+  copies = []
   try:
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
   except (OSError, ValueError) as e:
+    _remove_empty(new_dirs)
     raise ConvertError(f"cannot open {ckpt_dir}: {e}") from e
   try:  # closed on every exit: an open async manager's threads would die noisily at shutdown
     latest = ckpt.latest_step()
     if latest is not None:
       raise ConvertError(f"{ckpt_dir} already holds checkpoint step {latest}; pass a fresh --workdir")
     if tokenizer_source is not None:  # with its special-token names, if it has them
-      shutil.copyfile(tokenizer_source, cfg.data.tokenizer)
       named = os.path.join(os.path.dirname(tokenizer_source), "tokenizer_config.json")
-      if os.path.isfile(named):
-        shutil.copyfile(named, os.path.join(os.path.dirname(cfg.data.tokenizer),
-                                            "tokenizer_config.json"))
+      pairs = [(tokenizer_source, cfg.data.tokenizer)] + (
+          [(named, os.path.join(os.path.dirname(cfg.data.tokenizer), "tokenizer_config.json"))]
+          if os.path.isfile(named) else [])
+      for src, dst in pairs:
+        if not os.path.exists(dst):
+          copies.append(dst)
+        shutil.copyfile(src, dst)
     _write_step0(cfg, hf_dir, ckpt)
-  finally:
+  except BaseException:
     ckpt.close()
+    for path in copies:
+      os.remove(path)
+    _remove_empty(new_dirs)
+    raise
+  ckpt.close()
   logging.info("wrote the step-0 checkpoint to %s in %.1f s; peak RSS %.3f GB", ckpt_dir,
                time.perf_counter() - start, peak_rss_gb())
   return ckpt_dir

@@ -58,11 +58,12 @@ def balance_collectives(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg
     ValueError: an unknown variant or a mesh that does not divide the config.
   """
   variants = ["none"] + [v for v in variants if v != "none"]
+  balances = {v: parse_balance_variant(v, "variants") for v in variants}  # all before compiling
   mesh = make_mesh(mesh_cfg)
   result: dict[str, Any] = {}
   with use_mesh(mesh):
     for v in variants:
-      balance = parse_balance_variant(v)
+      balance = balances[v]
       log(f"compiling the train step with balancing {v} ...")
       text = compile_train_step(model_cfg, train_cfg, mesh, batch_size, seq_len,
                                 balance).as_text()

@@ -251,12 +251,13 @@ def balance_variant_name(cfg: BalanceConfig) -> str:
                         else cfg.quantile_apply)
 
 
-def parse_balance_variant(text: str) -> BalanceConfig:
+def parse_balance_variant(text: str, flag: str = "--compare_balance") -> BalanceConfig:
   """`"none"`, a `balance.mode`, or `"quantile:next"` / `"quantile:reroute"` (next, with
   `quantile_reroute`) / `"quantile:current"` -> BalanceConfig (other fields: the defaults).
 
   Raises:
-    ValueError: an unknown variant (naming the accepted ones).
+    ValueError: an unknown variant, naming `flag` (the command-line flag that gave it) and the
+      accepted variants.
   """
   if text == "none":
     return BalanceConfig(enabled=False)
@@ -269,7 +270,7 @@ def parse_balance_variant(text: str) -> BalanceConfig:
   try:
     return BalanceConfig(mode=mode, **kw)
   except ValueError as e:
-    raise ValueError(f"--compare_balance entry {text!r}: {e} (e.g. none, pid, sign, adamw, "
+    raise ValueError(f"{flag} entry {text!r}: {e} (e.g. none, pid, sign, adamw, "
                      "quantile:current, quantile:next, quantile:reroute)") from e
 
 
