@@ -240,6 +240,18 @@ def test_override_error_lines():
       "invalid config override: could not parse 1,2")
 
 
+def test_override_error_names_an_override_in_a_flag_file(tmp_path):
+  """A misspelt `--config.*` field inside a --flagfile (nested too) is named like one on the
+  command line (it was ml_collections' bare `'lrr' Did you mean "lr"`)."""
+  inner = tmp_path / "inner.txt"
+  inner.write_text("# a comment\n--config.train.lrr=1\n")
+  outer = tmp_path / "outer.txt"
+  outer.write_text(f"--flagfile={inner}\n")
+  argv = ["prog", "--config=c.py", f"--flagfile={outer}"]
+  assert override_error(argv, AttributeError('\'lrr\'\nDid you mean "lr" instead of "lrr"?')) == (
+      "invalid config override --config.train.lrr: no field 'lrr' in train; did you mean 'lr'?")
+
+
 @pytest.mark.slow
 def test_entry_points_say_a_bad_flag_in_one_line():
   """Entry points other than launch.train parse through `cli_paths.parse_flags`: one line,
@@ -366,3 +378,9 @@ def test_second_trial_leftovers_are_one_line(tmp_path):
       "invalid config: train.eval_batches=2 but data.eval_fraction=0 holds out no documents; set "
       "train.eval_batches=0 or data.eval_fraction > 0")
   assert not (tmp_path / "w2").exists()
+  # get_config's own error was ml_collections' traceback flattened onto the line
+  assert _one_line(_run("launch.train", "--config=configs/zaya1_tiny.py:bad_arg",
+                        f"--workdir={tmp_path / 'w3'}")) == (
+      "invalid flags: --config=configs/zaya1_tiny.py:bad_arg: the config file failed to load: "
+      "TypeError: get_config() takes 0 positional arguments but 1 was given; give get_config "
+      "the arguments it takes (the part after ':')")

@@ -235,6 +235,14 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
   flagfile = re.match(r"ERROR::? ?Unable to open flagfile: (.*)$", text)
   if flagfile:
     return f"invalid flags: --flagfile: cannot read it: {flagfile.group(1)}"
+  loading = re.match(r"flag (--[\w.]+)=(.*?): Error whilst parsing config file: (.*)$", text)
+  if loading:  # ml_collections' traceback of the config file's get_config, flattened
+    flag, value, trace = loading.groups()
+    raised = list(re.finditer(r"\b(\w+(?:Error|Exception)): ", trace))
+    why = trace[raised[-1].start():] if raised else trace
+    hint = ("; give get_config the arguments it takes (the part after ':')" if ":" in value
+            and "positional argument" in why else "")
+    return f"invalid flags: {flag}={value}: the config file failed to load: {why}{hint}"
   m = re.match(r"flag (--([\w.]+))=(.*?): (.*)$", text)
   if m:
     flag, name, value, why = m.groups()
@@ -268,6 +276,22 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
   return f"invalid flags: {text} (see --help)"
 
 
+def _with_flagfile_lines(args: Sequence[str], depth: int = 0) -> list[str]:
+  """`args` followed by the flags of the --flagfile=FILE among them (nested ones too; files
+  that cannot be read are `flagfile_problem`'s business and add nothing)."""
+  out = list(args)
+  for arg in args:
+    name, eq, value = arg.partition("=")
+    if name in ("--flagfile", "-flagfile") and eq and depth < 8:
+      try:
+        with open(value, encoding="utf-8") as f:
+          lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+      except (OSError, UnicodeDecodeError):
+        continue
+      out += _with_flagfile_lines(lines, depth + 1)
+  return out
+
+
 def override_error(argv: Sequence[str], error: Exception) -> str:
   """One line for a `--config.*` override that ml_collections' config_flags rejected with
   `error` (a KeyError / AttributeError naming the field, or a TypeError / ValueError).
@@ -276,14 +300,14 @@ def override_error(argv: Sequence[str], error: Exception) -> str:
   becomes `invalid config override --config.train.lrr: no field 'lrr' in train; did you mean
   'lr'?`; a field with no close match `... no field 'nope' in train (launch.train
   --config=FILE --print_config lists the fields)`; any other message is flattened onto one
-  line after `invalid config override: `.
+  line after `invalid config override: `. Overrides in a --flagfile are named as well.
   """
   text = str(error.args[0] if error.args else error).replace("\\'", "'").replace("\\n", " ")
   text = " ".join(text.split())
   key = re.search(r"'(\w+)'", text)
   hint = re.search(r'Did you mean "(\w+)"', text)
   if key:
-    for arg in argv[1:]:
+    for arg in _with_flagfile_lines(argv[1:]):
       if not arg.startswith("--config."):
         continue
       path = arg[len("--config."):].split("=", 1)[0].split(".")
