@@ -210,6 +210,24 @@ def test_flag_error_lines():
       "invalid flags: --batches=abc: the value must be an integer, e.g. --batches=100")
 
 
+def test_flag_taken_as_value():
+  """absl reads `--out --steps=3` as out="--steps=3" (and drops --steps): one line instead.
+  A next token that is no known flag stays a value (a negative number, a prompt)."""
+  values = absl_flags.FlagValues()
+  absl_flags.DEFINE_string("out", "/tmp/o", "o", flag_values=values)
+  absl_flags.DEFINE_integer("steps", 3, "s", flag_values=values)
+  absl_flags.DEFINE_float("lr", None, "l", flag_values=values)
+  absl_flags.DEFINE_bool("walk", True, "w", flag_values=values)
+  assert cli_paths.flag_taken_as_value(["prog", "--out", "--steps=3"], values) == (
+      "--out has no value (absl would take --steps=3 as it); give one, e.g. --out=/tmp/o")
+  assert cli_paths.flag_taken_as_value(["prog", "--lr", "--nowalk"], values) == (
+      "--lr has no value (absl would take --nowalk as it); give one, e.g. --lr=...")
+  for argv in (["prog", "--lr", "-1"], ["prog", "--out", "-x"], ["prog", "--walk", "--steps=2"],
+               ["prog", "--nowalk", "--steps=2"], ["prog", "--out=a", "--steps=2"],
+               ["prog", "--", "--out", "--steps=2"]):
+    assert cli_paths.flag_taken_as_value(argv, values) is None, argv
+
+
 def test_flagfile_problem_reads_nested_flag_files(tmp_path):
   """An unreadable --flagfile, also one named inside a flag file, is one line (absl reads
   them while parsing, ml_collections' DEFINE_config_file already at import)."""

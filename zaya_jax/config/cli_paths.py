@@ -321,16 +321,45 @@ def override_error(argv: Sequence[str], error: Exception) -> str:
   return f"invalid config override: {text}"
 
 
+def _known_flag(token: str, values: flags.FlagValues) -> bool:
+  """Whether `token` is `--name[=value]` / `-name` of a flag in `values` (`--noname` too)."""
+  if not token.startswith("-") or token in ("-", "--"):
+    return False
+  name = token.lstrip("-").split("=", 1)[0]
+  return name in values or (name.startswith("no") and name[2:] in values)
+
+
+def flag_taken_as_value(argv: Sequence[str], values: flags.FlagValues) -> str | None:
+  """One line when a flag given without `=` would take the next flag as its value (absl's
+  `--name VALUE` form: `--out --steps=3` sets out to "--steps=3" and drops --steps), else
+  None. A next token that is no known flag (`--lr -1`, `--prompt "-x"`) is a value."""
+  args = list(argv[1:])
+  for arg, nxt in zip(args, args[1:]):
+    if arg == "--":
+      break
+    if "=" in arg or not arg.startswith("-") or not _known_flag(arg, values):
+      continue
+    name = arg.lstrip("-")
+    if name not in values or values[name].boolean:  # --noname or a bool: takes no value
+      continue
+    if _known_flag(nxt, values):
+      return (f"{arg} has no value (absl would take {nxt} as it); give one, e.g. "
+              f"--{name}={_example(values, name, '...')}")
+  return None
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing for an entry point: pass as `app.run(main, flags_parser=parse_flags)`.
   Exits with one line, status 1, if the --config file cannot be loaded (`config_file_problem`),
   absl rejects a flag (`flag_error`: an unknown flag, a value of the wrong type or out of
   bounds, a missing required flag, an unreadable --flagfile), ml_collections a `--config.*`
-  override (`override_error`: a field that does not exist) or a positional argument is left
+  override (`override_error`: a field that does not exist), a flag would take the next flag
+  as its value (`flag_taken_as_value`) or a positional argument is left
   (the entry points take flags only), instead of absl's two-line `FATAL Flags parsing error`,
   its usage text or ml_collections' traceback. `--help` (absl prints the flags and exits 1)
   exits 0."""
-  problem = config_file_problem(argv) or flagfile_problem(argv)
+  problem = (config_file_problem(argv) or flagfile_problem(argv)
+             or flag_taken_as_value(argv, flags.FLAGS))
   if problem:
     sys.exit(f"invalid flags: {problem}")
   try:
