@@ -220,6 +220,10 @@ def test_flag_taken_as_value():
   absl_flags.DEFINE_bool("walk", True, "w", flag_values=values)
   assert cli_paths.flag_taken_as_value(["prog", "--out", "--steps=3"], values) == (
       "--out has no value (absl would take --steps=3 as it); give one, e.g. --out=/tmp/o")
+  absl_flags.DEFINE_string("config", None, "c", flag_values=values)  # its fields: --config.a.b
+  assert cli_paths.flag_taken_as_value(["prog", "--out", "--config.train.lr=1"], values) == (
+      "--out has no value (absl would take --config.train.lr=1 as it); give one, e.g. "
+      "--out=/tmp/o")
   assert cli_paths.flag_taken_as_value(["prog", "--lr", "--nowalk"], values) == (
       "--lr has no value (absl would take --nowalk as it); give one, e.g. --lr=...")
   for argv in (["prog", "--lr", "-1"], ["prog", "--out", "-x"], ["prog", "--walk", "--steps=2"],

@@ -322,11 +322,13 @@ def override_error(argv: Sequence[str], error: Exception) -> str:
 
 
 def _known_flag(token: str, values: flags.FlagValues) -> bool:
-  """Whether `token` is `--name[=value]` / `-name` of a flag in `values` (`--noname` too)."""
+  """Whether `token` is `--name[=value]` / `-name` of a flag in `values` (`--noname` too, and a
+  config field override `--config.group.field=value`)."""
   if not token.startswith("-") or token in ("-", "--"):
     return False
   name = token.lstrip("-").split("=", 1)[0]
-  return name in values or (name.startswith("no") and name[2:] in values)
+  return (name in values or (name.startswith("no") and name[2:] in values)
+          or name.split(".", 1)[0] in values)
 
 
 def flag_taken_as_value(argv: Sequence[str], values: flags.FlagValues) -> str | None:
