@@ -100,10 +100,14 @@ def main(argv):
     distributed.check_backend()
   except ValueError as e:  # e.g. JAX_PLATFORMS=rocm with the CPU-only jaxlib
     sys.exit(str(e))
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)  # its warnings come once, from `run`'s own resolve
   try:  # before the first console line: a bad config is the only line printed
     resolve(_CONFIG.value, process_count=jax.process_count())
   except ConfigError as e:
     sys.exit(f"invalid config: {e}")
+  finally:
+    logging.set_verbosity(verbosity)
   if jax.process_index() == 0:
     logging.info("%s: %s", f"distributed ({method})" if method else "single process", distributed.describe())
   try:
