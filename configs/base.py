@@ -114,6 +114,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.muon_router = False  # also put the router matrices (down_proj, fc1, fc2, out_proj) on Muon
   t.muon_consistent_rms = 0.0  # > 0: scale Muon updates to this RMS (0.2 ~ AdamW's, then muon_lr ~ lr); 0 = sqrt(max(1, fan_out/fan_in))
   t.router_lr_scale = 0.1  # router parameters (layers/mlp/router/*) at this multiple of their lr: a router 10x slower than the experts, which the lag-one balancing follows (README "Load balancing"); 1.0 = ZAYA1's plain recipe
+  t.expert_lr_scale = 1.0  # routed experts' weights (layers/mlp/experts/w_gate, w_up, w_down) at this multiple of their lr
   t.log_every = 50  # steps between train log lines / metrics.jsonl records
   t.eval_every = 1_000  # steps between evaluations (and one at the end); 0 = only at the end
   t.eval_batches = 16  # batches of `batch_size` sequences in each evaluation

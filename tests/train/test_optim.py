@@ -331,18 +331,19 @@ def test_muon_train_step_changes_every_parameter():
 _FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 
 
-def test_router_lr_scale_scales_only_the_router_updates(tiny_params):
-  """`train.router_lr_scale`: two steps of the same gradients; every router parameter's update
-  (the matrices on Muon with `muon_router`, the vectors on AdamW) is `scale` x the unscaled
-  one, every other parameter's is the same, and the optimizer state is the same tree (so
-  checkpoints restore whatever the scale)."""
+def test_router_and_expert_lr_scales_scale_only_their_updates(tiny_params):
+  """`train.router_lr_scale` and `train.expert_lr_scale`: two steps of the same gradients;
+  every router parameter's update (the matrices on Muon with `muon_router`, the vectors on
+  AdamW) is the router scale x the unscaled one, every routed expert weight's (w_gate, w_up,
+  w_down) the expert scale x, every other parameter's is the same, and the optimizer state is
+  the same tree (so checkpoints restore whatever the scales)."""
   keys = iter(jax.random.split(jax.random.key(0), 1000))
   concrete = lambda tree: jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape), tree)
   params = concrete(tiny_params)
   grads = [concrete(tiny_params) for _ in range(2)]
   base = dict(optimizer="muon", muon_router=True, warmup_steps=0, num_steps=10, lr=1e-2,
-              grad_clip_norm=0.0, router_lr_scale=1.0)  # unscaled (the default is 0.1)
-  scaled = {**base, "router_lr_scale": 0.25}
+              grad_clip_norm=0.0, router_lr_scale=1.0)  # unscaled (the router default is 0.1)
+  scaled = {**base, "router_lr_scale": 0.25, "expert_lr_scale": 0.5}
 
   def updates(train):
     tx = make_optimizer(train, params)
@@ -364,17 +365,24 @@ def test_router_lr_scale_scales_only_the_router_updates(tiny_params):
   flat1, flat2 = dict(nnx.to_flat_state(u1)), dict(nnx.to_flat_state(u2))
   routers = [p for p in flat1 if "router" in p]
   assert len(routers) == len(ROUTER) + 5  # the matrices and the biases, norm and EDA scale
+  experts = [p for p in flat1 if "experts" in p]
+  assert sorted(p[-1] for p in experts) == ["w_down", "w_gate", "w_up"]
   for path, v in flat1.items():
-    want = np.asarray(v[...]) * (0.25 if "router" in path else 1.0)
+    want = np.asarray(v[...]) * (0.25 if "router" in path else 0.5 if "experts" in path else 1.0)
     np.testing.assert_allclose(np.asarray(flat2[path][...]), want, rtol=1e-6, atol=1e-12,
                                err_msg="/".join(map(str, path)))
+    if "router" in path or "experts" in path:  # the scaled update differs from the unscaled
+      assert np.abs(np.asarray(v[...])).max() > 0
   text = describe_optimizer(TrainConfig(**scaled), tiny_params)
   rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("layers")}
   assert rows["layers/mlp/router/fc1"][1:3] == ["muon", "0.005"]  # muon_lr 0.02 x 0.25
   assert rows["layers/mlp/router/fc1_bias"][1:3] == ["adamw", "0.0025"]
-  assert rows["layers/mlp/experts/w_up"][1:3] == ["muon", "0.02"]
+  assert rows["layers/mlp/experts/w_up"][1:3] == ["muon", "0.01"]  # muon_lr 0.02 x 0.5
+  assert rows["layers/self_attn/q_proj"][1:3] == ["muon", "0.02"]
 
 
 def test_router_lr_scale_must_be_positive():
   with pytest.raises(ConfigError, match="train.router_lr_scale=0"):
     TrainConfig(router_lr_scale=0)
+  with pytest.raises(ConfigError, match="train.expert_lr_scale=-1 must be > 0"):
+    TrainConfig(expert_lr_scale=-1)

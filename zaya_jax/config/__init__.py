@@ -74,6 +74,7 @@ class TrainConfig:
   muon_router: bool = False  # router matrices (down_proj, fc1, fc2, out_proj) on Muon, not AdamW
   muon_consistent_rms: float = 0.0  # Muon update RMS target (e.g. 0.2 ~ AdamW); 0 = width scaling
   router_lr_scale: float = 0.1  # the router's parameters (layers/mlp/router/*) train at lr x this (0.1: the balancing keeps up; README "Load balancing")
+  expert_lr_scale: float = 1.0  # the routed experts' weights (layers/mlp/experts/w_*) train at lr x this
   log_every: int = 50  # steps between log lines
   eval_every: int = 1_000  # steps between evaluations; 0 = only at the end
   eval_batches: int = 16  # batches per evaluation; 0 = no evaluation
@@ -168,9 +169,10 @@ class TrainConfig:
     _positive_int(self, "train", "muon_ns_steps")
     if not isinstance(self.muon_router, bool):
       raise ConfigError(f"train.muon_router={self.muon_router!r} must be True or False")
-    if not (_is_number(self.router_lr_scale) and self.router_lr_scale > 0):
-      raise ConfigError(f"train.router_lr_scale={self.router_lr_scale!r} must be > 0 (a "
-                        "multiple of the router's group learning rate; 1 = the same rate)")
+    for f, what in (("router_lr_scale", "the router's"), ("expert_lr_scale", "the experts'")):
+      if not (_is_number(getattr(self, f)) and getattr(self, f) > 0):
+        raise ConfigError(f"train.{f}={getattr(self, f)!r} must be > 0 (a multiple of {what} "
+                          "group learning rate; 1 = the same rate)")
 
 
 @dataclasses.dataclass(frozen=True)

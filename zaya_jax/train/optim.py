@@ -26,6 +26,8 @@ fuse into one matrix dimension.
 they are) after the optimizer, i.e. the router trains at its group's lr x the scale; the
 optimizer state does not change with it. The default 0.1 keeps the router slow enough for the
 lag-one balancing to follow it (README "Load balancing"); 1.0 is ZAYA1's plain recipe.
+`train.expert_lr_scale` does the same for the routed experts' weights
+(`layers/mlp/experts/{w_gate,w_up,w_down}`); the default 1.0 leaves them at their group's rate.
 
 Schedules (`train.schedule`), both with a linear warm-up from 0 over `train.warmup_steps`,
 over the horizon `schedule_horizon(train)` (`train.schedule_steps`, 0 = `num_steps`):
@@ -74,6 +76,7 @@ MUON_FUSED_AXES = ("q_heads", "kv_heads", "head_dim")
 
 MUON, ADAMW = "muon", "adamw"  # group labels
 ROUTER_MODULE = "router"  # path part of every router parameter (layers/mlp/router/...)
+EXPERTS_MODULE = "experts"  # path part of the routed experts' weights (layers/mlp/experts/...)
 
 
 # --- schedules -------------------------------------------------------------------------------
@@ -358,8 +361,8 @@ def make_optimizer(train: TrainConfig, params: nnx.State) -> optax.GradientTrans
         is_leaf=_is_var)
     tx = optax.multi_transform({MUON: _muon(train, groups), ADAMW: _adamw(train, params)},
                                labels)
-  if train.router_lr_scale != 1.0:
-    tx = _scale_router_updates(tx, train.router_lr_scale)
+  if train.router_lr_scale != 1.0 or train.expert_lr_scale != 1.0:
+    tx = _scale_updates(tx, lambda path: lr_scale(train, path))
   if train.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(train.grad_clip_norm), tx)
   return tx
@@ -370,19 +373,36 @@ def is_router_path(path) -> bool:
   return ROUTER_MODULE in _path_parts(path)
 
 
-def _scale_router_updates(tx: optax.GradientTransformation, scale: float
-                          ) -> optax.GradientTransformation:
-  """`tx` with the router parameters' updates multiplied by `scale` (`train.router_lr_scale`).
+def is_expert_path(path) -> bool:
+  """True for a routed expert's weight (`.../experts/w_gate|w_up|w_down`, with or without the
+  Variable's trailing `value` key)."""
+  parts = _path_parts(path)
+  return any(a == EXPERTS_MODULE and b in MUON_EXPERTS for a, b in zip(parts, parts[1:]))
+
+
+def lr_scale(train: TrainConfig, path) -> float:
+  """The multiple of its group's learning rate a parameter trains at: `train.router_lr_scale`
+  for the router, `train.expert_lr_scale` for the routed experts' weights, else 1."""
+  if is_router_path(path):
+    return train.router_lr_scale
+  if is_expert_path(path):
+    return train.expert_lr_scale
+  return 1.0
+
+
+def _scale_updates(tx: optax.GradientTransformation, scale_of_path
+                   ) -> optax.GradientTransformation:
+  """`tx` with each parameter's update multiplied by `scale_of_path(path)` (`lr_scale`).
 
   The updates are scaled after `tx` has applied its learning rate and decoupled weight decay,
-  so the router trains exactly as with its group's peak lr x `scale` (the decay term scales
+  so a parameter trains exactly as with its group's peak lr x its scale (the decay term scales
   with the lr as in optax). The state is `tx`'s own (no extra leaves), so checkpoints restore
-  whatever the scale.
+  whatever the scales.
   """
   def update(updates, state, params=None):
     updates, state = tx.update(updates, state, params)
     updates = jax.tree_util.tree_map_with_path(
-        lambda path, u: u * scale if is_router_path(path) else u, updates)
+        lambda path, u: u if (k := scale_of_path(path)) == 1.0 else u * k, updates)
     return updates, state
 
   return optax.GradientTransformation(tx.init, update)
@@ -423,7 +443,7 @@ def describe_optimizer(train: TrainConfig, params: nnx.State) -> str:
     name = path_name(path)
     dn = groups[name]
     counts[ADAMW if dn is None else MUON] += int(np.prod(v.shape))
-    scale = train.router_lr_scale if is_router_path(path) else 1.0
+    scale = lr_scale(train, path)
     if dn is None:
       row = [name, ADAMW, f"{train.lr * scale:g}", f"{train.weight_decay if mask[name] else 0.0:g}",
              str(tuple(v.shape)), ""]
