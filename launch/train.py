@@ -16,13 +16,12 @@ Intentionally short: all logic lives in `zaya_jax.parallel.distributed` and `zay
 import sys
 
 import configs.base
-import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from zaya_jax.parallel import distributed
 from zaya_jax.checkpoint import CorruptCheckpointError
-from zaya_jax.config import ConfigError, cli_paths, resolve
+from zaya_jax.config import ConfigError, cli_paths
 from zaya_jax.config.describe import describe, field_docs
 from zaya_jax.train import run
 from zaya_jax.train.loop import TrainingError
@@ -100,18 +99,8 @@ def main(argv):
     distributed.check_backend()
   except ValueError as e:  # e.g. JAX_PLATFORMS=rocm with the CPU-only jaxlib
     sys.exit(str(e))
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)  # its warnings come once, from `run`'s own resolve
-  try:  # before the first console line: a bad config is the only line printed
-    resolve(_CONFIG.value, process_count=jax.process_count())
-  except ConfigError as e:
-    sys.exit(f"invalid config: {e}")
-  finally:
-    logging.set_verbosity(verbosity)
-  if jax.process_index() == 0:
-    logging.info("%s: %s", f"distributed ({method})" if method else "single process", distributed.describe())
   try:
-    run(_CONFIG.value, _WORKDIR.value)
+    run(_CONFIG.value, _WORKDIR.value, distributed_method=method)
   except ConfigError as e:  # A user error: print the field and the fix, no traceback.
     sys.exit(f"invalid config: {e}")
   except CorruptCheckpointError as e:  # No checkpoint in --workdir reads back intact.

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zaya_jax.model import ZayaForCausalLM
+from zaya_jax.model import ModelConfig, ZayaForCausalLM
 from zaya_jax.model.transformer import init_cache
 
 
@@ -174,7 +174,7 @@ def memory_limit_bytes() -> int:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_fits(cfg, batch: int, prompt_len: int, max_new_tokens: int) -> None:
+def _check_fits(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int) -> None:
   """Raises ValueError naming max_new_tokens when the cache `[L, B, P + N, K, H]` (shapes from
   `jax.eval_shape`, nothing allocated) and the int64 token buffer `[B, P + N]` exceed
   `memory_limit_bytes()`."""

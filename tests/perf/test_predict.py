@@ -158,3 +158,16 @@ def test_balance_variant_name_parses_back_to_the_config_balancing():
     assert (back.enabled, back.mode, back.quantile_apply) == (cfg.enabled, cfg.mode, cfg.quantile_apply)
     if cfg.enabled and cfg.mode == "quantile" and cfg.quantile_apply == "next":
       assert back.quantile_reroute == cfg.quantile_reroute
+
+
+def test_predict_step_refuses_an_unknown_variant_before_compiling(monkeypatch):
+  """Every variant is parsed before the first compile, and the error names the argument
+  (`variants`): a bad last variant is found at once, not after compiling the others."""
+  from zaya_jax.parallel.accelerators import get_profile
+  monkeypatch.setattr(predict, "_compiled_text", lambda *a, **k: pytest.fail("compiled"))
+  one = MeshConfig(data=1, fsdp=1, expert=1)
+  model, train, _, _ = synthetic_configs(zaya1_tiny.get_config())
+  with pytest.raises(ValueError, match=r"^variants entry 'bogus': "):
+    predict.predict_step(model, train, get_profile("mi300x"),
+                         NET, compile_mesh=one, target_mesh=one, target_devices=1,
+                         seqs_per_device=1, seq_len=64, variants=["none", "bogus"])

@@ -74,26 +74,41 @@ def flagfile_problem(argv: Sequence[str], depth: int = 0) -> str | None:
   `parse_flags` cannot catch its error: a 33-line traceback); `define_config_file` and
   `parse_flags` check first."""
   args = list(argv[1:]) if depth == 0 else list(argv)
-  for i, arg in enumerate(args):
-    name, eq, value = arg.partition("=")
-    if name not in ("--flagfile", "-flagfile"):
-      continue
-    if not eq:
-      if i + 1 >= len(args):
-        return "--flagfile needs a value, e.g. --flagfile=FLAGS.txt"
-      value = args[i + 1]
+  for path in _flagfile_paths(args):
+    if path is None:
+      return "--flagfile needs a value, e.g. --flagfile=FLAGS.txt"
     try:
-      with open(value, encoding="utf-8") as f:
-        lines = [line.strip() for line in f]
+      lines = _read_flagfile(path)
     except (OSError, UnicodeDecodeError) as e:
       why = getattr(e, "strerror", None) or str(e)
-      return f"--flagfile={value}: cannot read it: {why}; give a readable file of flags"
-    if depth < 8:
-      nested = flagfile_problem([line for line in lines if line and not line.startswith("#")],
-                                depth + 1)
+      return f"--flagfile={path}: cannot read it: {why}; give a readable file of flags"
+    if depth < _FLAGFILE_DEPTH:
+      nested = flagfile_problem(lines, depth + 1)
       if nested:
         return nested
   return None
+
+
+_FLAGFILE_DEPTH = 8  # flag files named inside flag files are read this many levels deep
+
+
+def _flagfile_paths(args: Sequence[str]):
+  """The FILE of each `--flagfile=FILE` or `--flagfile FILE` in `args`, in order; None for a
+  last `--flagfile` with no value."""
+  for i, arg in enumerate(args):
+    name, eq, value = arg.partition("=")
+    if name in ("--flagfile", "-flagfile"):
+      yield value if eq else (args[i + 1] if i + 1 < len(args) else None)
+
+
+def _read_flagfile(path: str) -> list[str]:
+  """The flags in flag file `path`: its lines stripped, without blank lines and `#` comments.
+
+  Raises:
+    OSError, UnicodeDecodeError: the file cannot be read as UTF-8 text.
+  """
+  with open(path, encoding="utf-8") as f:
+    return [s for s in (line.strip() for line in f) if s and not s.startswith("#")]
 
 
 def define_config_file(name: str, default: str | None, help_string: str, **kwargs):
@@ -280,15 +295,14 @@ def _with_flagfile_lines(args: Sequence[str], depth: int = 0) -> list[str]:
   """`args` followed by the flags of the --flagfile=FILE among them (nested ones too; files
   that cannot be read are `flagfile_problem`'s business and add nothing)."""
   out = list(args)
-  for arg in args:
-    name, eq, value = arg.partition("=")
-    if name in ("--flagfile", "-flagfile") and eq and depth < 8:
-      try:
-        with open(value, encoding="utf-8") as f:
-          lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-      except (OSError, UnicodeDecodeError):
-        continue
-      out += _with_flagfile_lines(lines, depth + 1)
+  if depth >= _FLAGFILE_DEPTH:
+    return out
+  for path in _flagfile_paths(args):
+    try:
+      lines = _read_flagfile(path) if path is not None else []
+    except (OSError, UnicodeDecodeError):
+      continue
+    out += _with_flagfile_lines(lines, depth + 1)
   return out
 
 

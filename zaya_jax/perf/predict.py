@@ -380,9 +380,10 @@ def predict_step(model_cfg: ModelConfig, train_cfg: TrainConfig, profile: Accele
                             "compute_s": est.compute_seconds, "flops_per_token": est.flops_per_token,
                             "tokens_per_device": tokens, "peak_flops": peak, "warnings": warnings,
                             "network": net.source, "profile": profile.name}
+  balances = {v: parse_balance_variant(v, "variants") for v in variants}  # all before compiling
   with use_mesh(mesh):
     for v in variants:
-      balance = parse_balance_variant(v)
+      balance = balances[v]
       text = _compiled_text(model_cfg, train_cfg, mesh, seqs_per_device * mesh.size, seq_len,
                             balance, hlo_dir, log)
       sweeps = balance.quantile_sweeps if v == "quantile:current" else 1

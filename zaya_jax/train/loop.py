@@ -42,7 +42,7 @@ from absl import logging
 
 from zaya_jax.config import ConfigError, RunConfig, cli_paths, resolve
 from zaya_jax.logs import quiet_third_party
-from zaya_jax.parallel import accelerators
+from zaya_jax.parallel import accelerators, distributed
 from zaya_jax.parallel.mesh import check_divisibility, make_mesh, use_mesh
 from zaya_jax.train import console
 from zaya_jax.train.evaluate import evaluate_sets
@@ -60,12 +60,18 @@ class TrainingError(RuntimeError):
   cause, the checkpoint written and how to resume (launch.train prints it as one line)."""
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
+def run(config: ml_collections.ConfigDict, workdir: str, *,
+        distributed_method: str | None = None) -> TrainState:
   """Trains the model described by `config`, resuming from `workdir` if it holds checkpoints.
+
+  Once the config, the workdir and the mesh are checked (so that a bad one is the first line
+  printed), process 0 logs the processes and devices (`distributed.describe`).
 
   Args:
     config: a ConfigDict from `configs/*.py`; validated here by `zaya_jax.config.resolve`.
     workdir: output directory (created if missing).
+    distributed_method: how `distributed.maybe_initialize` started JAX's multi-controller
+      runtime (its return value, e.g. "explicit"), for that line; None = a single process.
 
   Returns:
     The final TrainState.
@@ -94,6 +100,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> TrainState:
                        attention_impl=cfg.model.attention_impl)
   except ValueError as e:
     raise ConfigError(str(e)) from e
+  if is_main:
+    logging.info("%s: %s", f"distributed ({distributed_method})" if distributed_method
+                 else "single process", distributed.describe())
   # Signals are taken over before anything slow starts: a stop before or during the first
   # step ends the run after it, without a checkpoint.
   with use_mesh(mesh), StopSignals() as stop, contextlib.ExitStack() as on_exit:
