@@ -298,6 +298,10 @@ def test_changed_balancing_settings_are_named():
   assert changed_balancing_settings(saved, cfg) == []
   assert changed_balancing_settings({"train": {}, "balance": {}}, cfg) == [
       "train.router_lr_scale 1.0 -> 0.1", "balance.quantile_reroute False -> True"]
+  # a tiny run saved before 2026-12-07 (no expert_lr_scale field: 1.0) resumed under the tiny
+  # config's 0.5
+  tiny = types.SimpleNamespace(train=TrainConfig(expert_lr_scale=0.5), balance=BalanceConfig())
+  assert changed_balancing_settings(saved, tiny) == ["train.expert_lr_scale 1.0 -> 0.5"]
   # a run saved between 2026-12-03 and 2026-12-06 (integral 0.15, no reroute field)
   saved = {"train": {"router_lr_scale": 0.1}, "balance": {"quantile_integral": 0.15}}
   assert changed_balancing_settings(saved, cfg) == [

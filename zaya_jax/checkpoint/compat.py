@@ -132,11 +132,12 @@ def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str 
   return None
 
 
-# Settings whose defaults changed on 2026-12-03 and 2026-12-06 (README "Load balancing") and
-# which a resume may change (they are not in the checkpointed state's shapes), with the value a
-# run saved before the field existed had: the default then (no router scaling, no integral, no
-# reroute).
-_BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("balance", "quantile_integral", 0.0),
+# Settings whose defaults changed on 2026-12-03, 2026-12-06 and 2026-12-07 (the tiny config's
+# experts at half the lr; README "Load balancing") and which a resume may change (they are not
+# in the checkpointed state's shapes), with the value a run saved before the field existed had:
+# the default then (no router or expert scaling, no integral, no reroute).
+_BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("train", "expert_lr_scale", 1.0),
+                       ("balance", "quantile_integral", 0.0),
                        ("balance", "quantile_reroute", False))
 
 
