@@ -53,6 +53,10 @@ def test_windowed_load_sums_blocks_of_steps_before_the_ratio(tmp_path):
   assert 0.5 < ent <= 1.0
   with pytest.raises(ValueError, match="one window"):
     balance_report.windowed(loads[:3], 4)
+  # One expert (a dense model): even by definition, entropy 1 rather than 0/0.
+  dense = np.concatenate([loads[:, :, :1], loads[:, :, 4:]], -1)  # [steps, L, 1 expert + skip]
+  with np.errstate(all="raise"):
+    assert balance_report.windowed(dense, 8) == (1.0, 1.0)
 
 
 def test_errors_name_the_flag_and_the_fix(tmp_path):

@@ -90,6 +90,20 @@ def test_error_definition_and_empty_layers():
   np.testing.assert_array_equal(np.asarray(B.balance_error(counts, -1.0))[:, -1], 0.0)
 
 
+def test_load_stats_values_including_one_expert():
+  # 2 layers x (3 experts + skip): [6, 2, 0 | 2] and [0, 0, 0 | 4] (every token skips).
+  stats = B.load_stats(jnp.array([[6.0, 2.0, 0.0, 2.0], [0.0, 0.0, 0.0, 4.0]]))
+  np.testing.assert_allclose(stats["max_over_mean"], [6.0 / (8.0 / 3.0), 1.0], rtol=1e-6)
+  q = np.array([0.75, 0.25])
+  np.testing.assert_allclose(stats["load_entropy"], [-(q * np.log(q)).sum() / np.log(3.0), 1.0],
+                             rtol=1e-6)
+  np.testing.assert_allclose(stats["skip_rate"], [0.2, 1.0], rtol=1e-6)
+  # One expert (a dense model, E = 1): ln E = 0, the load is even; not 0/0 = nan.
+  dense = B.load_stats(jnp.array([[7.0, 1.0], [0.0, 3.0]]))
+  np.testing.assert_array_equal(dense["load_entropy"], [1.0, 1.0])
+  np.testing.assert_array_equal(dense["max_over_mean"], [1.0, 1.0])
+
+
 def test_pid_terms_integral_clamp_and_bias_clamp():
   cfg = BalanceConfig(mode="pid", kp=0.1, ki=0.01, kd=0.5, integral_clamp=0.3, bias_clamp=0.05)
   counts = jnp.array([[4.0, 0.0, 0.0, 0.0, 0.0]])  # e = [-0.75, 0.25, 0.25, 0.25, 0]

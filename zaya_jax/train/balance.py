@@ -266,7 +266,7 @@ def load_stats(counts_LX: jax.Array) -> dict[str, jax.Array]:
     balance, E = all expert-routed tokens on one expert; 1 for a layer with no expert tokens),
     `load_entropy` [L]: normalised router-load entropy H(q) / ln E of the expert shares q of
     the expert-routed tokens (ZAYA1-8B report, Fig. 4: 1 = uniform, 0 = one expert; 1 for a
-    layer with no expert tokens),
+    layer with no expert tokens, and for E = 1, where ln E = 0),
     `skip_rate` [L]: fraction of non-padding tokens routed to the skip class.
   """
   counts_LX = counts_LX.astype(jnp.float32)
@@ -276,7 +276,10 @@ def load_stats(counts_LX: jax.Array) -> dict[str, jax.Array]:
   max_over_mean = jnp.where(mean_L > 0, jnp.max(expert_LE, axis=-1) / jnp.maximum(mean_L, 1e-30), 1.0)
   q_LE = expert_LE / jnp.maximum(jnp.sum(expert_LE, axis=-1, keepdims=True), 1e-30)
   entropy_L = -jnp.sum(jnp.where(q_LE > 0, q_LE * jnp.log(jnp.where(q_LE > 0, q_LE, 1.0)), 0.0), -1)
-  load_entropy = jnp.where(mean_L > 0, jnp.clip(entropy_L / jnp.log(float(e)), 0.0, 1.0), 1.0)
+  if e == 1:  # one expert (a dense model): its load is even by definition; ln 1 = 0
+    load_entropy = jnp.ones_like(mean_L)
+  else:
+    load_entropy = jnp.where(mean_L > 0, jnp.clip(entropy_L / jnp.log(float(e)), 0.0, 1.0), 1.0)
   skip_rate = counts_LX[:, e] / jnp.maximum(jnp.sum(counts_LX, axis=-1), 1.0)
   return {"max_over_mean": max_over_mean, "load_entropy": load_entropy, "skip_rate": skip_rate}
 
