@@ -48,10 +48,10 @@ def windowed(loads_SLX: np.ndarray, window: int) -> tuple[float, float]:
   # a block counts as even (max/mean 1, entropy 1),
   mean_BL = summed_BLE.mean(-1)
   mom_BL = np.where(mean_BL > 0, summed_BLE.max(-1) / np.maximum(mean_BL, 1e-30), 1.0)
-  q_BLE = summed_BLE / np.maximum(summed_BLE.sum(-1, keepdims=True), 1e-30)
   # and one expert (a dense model: ln E = 0) is even too.
   if summed_BLE.shape[-1] == 1:
     return float(np.median(mom_BL.max(-1))), 1.0
+  q_BLE = summed_BLE / np.maximum(summed_BLE.sum(-1, keepdims=True), 1e-30)
   ent_BL = -np.sum(np.where(q_BLE > 0, q_BLE * np.log(np.where(q_BLE > 0, q_BLE, 1.0)), 0.0),
                    -1) / np.log(summed_BLE.shape[-1])
   ent_BL = np.where(mean_BL > 0, ent_BL, 1.0)
