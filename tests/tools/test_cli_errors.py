@@ -406,3 +406,54 @@ def test_second_trial_leftovers_are_one_line(tmp_path):
       "invalid flags: --config=configs/zaya1_tiny.py:bad_arg: the config file failed to load: "
       "TypeError: get_config() takes 0 positional arguments but 1 was given; give get_config "
       "the arguments it takes (the part after ':')")
+  # an error absl does not wrap (not ValueError / TypeError) was a 42-line traceback
+  (tmp_path / "raising.py").write_text("def get_config():\n  raise RuntimeError('boom')\n")
+  assert _one_line(_run("launch.train", f"--config={tmp_path / 'raising.py'}",
+                        f"--workdir={tmp_path / 'w4'}")) == (
+      f"invalid flags: --config={tmp_path / 'raising.py'}: the config file failed to load: "
+      "RuntimeError: boom")
+
+
+def test_a_config_file_that_fails_to_load_is_named_in_one_line(tmp_path):
+  """Errors of the config file's own code, which absl does not wrap (only ValueError and
+  TypeError become its flag errors): raised in get_config, a SyntaxError, a failing import,
+  no get_config, a get_config that returns no ConfigDict. Found by a new-user trial
+  (2026-12-07): each was a 40-line traceback."""
+  from ml_collections import config_flags
+
+  def load_error(source: str) -> BaseException:
+    path = tmp_path / f"c{len(list(tmp_path.iterdir()))}.py"
+    path.write_text(source)
+    values = absl_flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=values)
+    sys.modules.pop("config_config", None)  # ml_collections' module name: a fresh one per file
+    try:
+      values(["prog", f"--config={path}"])
+    except BaseException as e:  # pylint: disable=broad-except
+      return path, e, values
+    return path, None, values
+
+  for source, want in (("def get_config():\n  raise RuntimeError('boom')\n", "RuntimeError: boom"),
+                       ("def get_config(:\n", "SyntaxError: invalid syntax ({path}, line 1)"),
+                       ("import nope_no_such_module\n",
+                        "ModuleNotFoundError: No module named 'nope_no_such_module'"),
+                       ("def get_config():\n  return {}['x']\n", "KeyError: 'x'")):
+    path, error, _ = load_error(source)
+    assert error is not None, source
+    assert cli_paths.config_load_error(["prog", f"--config={path}"], error) == (
+        f"invalid flags: --config={path}: the config file failed to load: "
+        + want.format(path=path)), source
+  path, error, _ = load_error("X = 1\n")
+  assert cli_paths.config_load_error(["prog", f"--config={path}"], error) == (
+      f"invalid flags: --config={path}: the config file has no get_config(); define "
+      "get_config() returning an ml_collections.ConfigDict")
+  # an override's own KeyError is not the file's: override_error names the field
+  assert cli_paths.config_load_error(["prog", f"--config={path}"], KeyError("lrr")) is None
+  path, error, values = load_error("def get_config():\n  return 5\n")
+  assert error is None
+  assert cli_paths.config_value_problem(["prog", f"--config={path}"], values) == (
+      f"--config={path}: get_config() returned int, not an ml_collections.ConfigDict; return one")
+  good = os.path.join(REPO, "configs", "zaya1_tiny.py")
+  _, error, values = load_error(open(good).read().replace("from configs import base",
+                                                          "import configs.base as base"))
+  assert error is None and cli_paths.config_value_problem(["prog", f"--config={good}"], values) is None

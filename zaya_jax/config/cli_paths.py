@@ -17,6 +17,7 @@ import re
 import sys
 from typing import Sequence
 
+import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
@@ -364,6 +365,66 @@ def flag_taken_as_value(argv: Sequence[str], values: flags.FlagValues) -> str | 
   return None
 
 
+def _one_line(error: BaseException) -> str:
+  """`Type: message` of `error` on one line (a SyntaxError with its file and line)."""
+  text = " ".join(str(error).split())
+  if isinstance(error, SyntaxError) and error.filename:
+    text = f"{error.msg} ({error.filename}, line {error.lineno})"
+  return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _raised_in_config_file(error: BaseException, path: str) -> bool:
+  """Whether `error` was raised while running the file `path` (a frame of its traceback is
+  in it, or it is a SyntaxError in it)."""
+  target = os.path.realpath(path)
+  if isinstance(error, SyntaxError) and error.filename:
+    return os.path.realpath(error.filename) == target
+  tb = error.__traceback__
+  while tb is not None:
+    if os.path.realpath(tb.tb_frame.f_code.co_filename) == target:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+def config_load_error(argv: Sequence[str], error: BaseException, any_error: bool = False,
+                      name: str = "config") -> str | None:
+  """One line for an `error` raised while absl parsed argv and ml_collections ran the
+  `--name` config file, or None when it is not the file's: e.g. `invalid flags:
+  --config=my.py: the config file failed to load: RuntimeError: boom`, a SyntaxError with its
+  line, an import the file makes that fails, or a file without `get_config` (`--config=my.py:
+  the config file has no get_config(); define get_config() returning an
+  ml_collections.ConfigDict`). With `any_error` an error not traced to the file is still
+  named as the config's when a --config was given (nothing else user-written runs then)."""
+  value = config_flag_value(argv, name)
+  if value is None:
+    return None
+  path = value.split(":", 1)[0]
+  if (isinstance(error, AttributeError) and "has no attribute 'get_config'" in str(error)):
+    return (f"invalid flags: --{name}={value}: the config file has no get_config(); define "
+            "get_config() returning an ml_collections.ConfigDict")
+  if _raised_in_config_file(error, path) or any_error:
+    return f"invalid flags: --{name}={value}: the config file failed to load: {_one_line(error)}"
+  return None
+
+
+def config_value_problem(argv: Sequence[str], values: flags.FlagValues | None = None,
+                         name: str = "config") -> str | None:
+  """Why the value the `--name` config file's get_config returned (in `values`, parsed;
+  default absl's FLAGS) is no config, as one line (`--config=my.py: get_config() returned
+  int, not an ml_collections.ConfigDict; return one`), or None (a ConfigDict, or no such
+  flag given)."""
+  values = flags.FLAGS if values is None else values
+  if config_flag_value(argv, name) is None or name not in values:
+    return None
+  value = values[name].value
+  if value is None or isinstance(value, (ml_collections.ConfigDict,
+                                         ml_collections.FrozenConfigDict)):
+    return None
+  return (f"--{name}={config_flag_value(argv, name)}: get_config() returned "
+          f"{type(value).__name__}, not an ml_collections.ConfigDict; return one")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing for an entry point: pass as `app.run(main, flags_parser=parse_flags)`.
   Exits with one line, status 1, if the --config file cannot be loaded (`config_file_problem`),
@@ -383,11 +444,17 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     sys.exit(flag_error(e, flags.FLAGS))
   except (KeyError, AttributeError, TypeError, ValueError) as e:  # raised by config_flags
-    sys.exit(override_error(argv, e))
+    sys.exit(config_load_error(argv, e) or override_error(argv, e))
   except SystemExit as e:  # absl's help flags print the help, then exit 1
     if e.code == 1 and any(a.split("=", 1)[0] in _HELP_FLAGS for a in argv[1:]):
       sys.exit(0)
     raise
+  except Exception as e:  # pylint: disable=broad-except
+    # The config file's own code (import, get_config) is the only user code absl runs while
+    # parsing; absl wraps only its ValueError / TypeError (`flag_error`'s "failed to load").
+    sys.exit(config_load_error(argv, e, any_error=True) or f"invalid flags: {_one_line(e)}")
+  if problem := config_value_problem(argv):
+    sys.exit(f"invalid flags: {problem}")
   if len(rest) > 1:
     extra = " ".join(rest[1:])
     sys.exit(f"invalid arguments: {extra}: this command takes flags only, e.g. --name=value "
