@@ -142,6 +142,22 @@ def test_eval_save_end_and_stop_lines():
   assert ended(steps_this_run=0) == "nothing to train (num_steps reached)"
   assert ended(step=4, max_steps_per_run=4) == "train.max_steps_per_run=4 reached"
 
+  summary = lambda **kw: console.summary_lines(**{
+      "ended": "stopped by SIGTERM", "steps_this_run": 1, "times": {
+          "total": 9.0, "compile": 5.0, "train": 2.0, "eval": 0.0, "checkpoint": 0.0,
+          "train_tokens": 0}, "tokens_this_run": 1024, "train_loss": 3.4,
+      "eval_record": None, "checkpoint_step": None, "checkpoint_dir": "/w/checkpoints",
+      "metrics_path": "/w/metrics.jsonl", "tensorboard_dir": None, **kw})
+  # stopped in the first step: no step timed ("-", was "0 tok/s") and no checkpoint (was
+  # "checkpoint None")
+  lines = summary()
+  assert lines[1].startswith("  1.02k tokens this run, - tok/s mean;"), lines
+  assert lines[2] == "  no checkpoint in /w/checkpoints", lines
+  lines = summary(checkpoint_step=30, times={"total": 9.0, "compile": 5.0, "train": 2.0,
+                                             "eval": 0.0, "checkpoint": 0.0, "train_tokens": 4096})
+  assert lines[1].startswith("  1.02k tokens this run, 2.05k tok/s mean;"), lines
+  assert lines[2] == "  checkpoint 30 in /w/checkpoints", lines
+
   stop = lambda **kw: console.stop_warning(**{
       "stop_reason": "SIGTERM", "first_step_stop": False, "step": 3, "num_steps": 6,
       "checkpoint_step": 3, "checkpoint_dir": "/w/checkpoints", "workdir": "/w", **kw})

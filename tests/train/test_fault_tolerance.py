@@ -204,6 +204,12 @@ def test_ctrl_c_during_the_first_compile(tmp_path):
   assert "during the first step of this run: nothing was saved" in out_once, out_once[-3000:]
   assert "holds no checkpoint, so the next run starts over" in out_once
   assert step_dirs(once) == []
+  # the summary said `checkpoint None in ...` and the signal's line promised a checkpoint
+  assert "checkpoint None" not in out_once and f"no checkpoint in {once}/checkpoints" in out_once
+  assert "writing a checkpoint (none if it is this run's first step)" in out_once
+  with open(once / "metrics.jsonl") as f:
+    summary = [r for r in map(json.loads, f) if r["kind"] == "summary"]
+  assert len(summary) == 1 and summary[0]["tokens_per_s"] is None, summary  # no step timed
 
 
 @pytest.mark.slow

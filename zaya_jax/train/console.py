@@ -286,8 +286,11 @@ def summary_lines(*, ended: str, steps_this_run: int, times: dict[str, float],
                   checkpoint_step: int | None, checkpoint_dir: str, metrics_path: str,
                   tensorboard_dir: str | None) -> list[str]:
   """The end-of-run block. `times`: seconds of "total", "compile", "train", "eval",
-  "checkpoint"; mean tok/s = tokens_this_run (after the compile step) / times["train"]."""
-  tok_s = times["train_tokens"] / times["train"] if times.get("train") else None
+  "checkpoint"; mean tok/s = times["train_tokens"] (the steps after the compile step) /
+  times["train"], "-" when no step was timed (a run stopped during its first step);
+  `checkpoint_step` None: "no checkpoint in DIR"."""
+  tok_s = (times["train_tokens"] / times["train"]
+           if times.get("train") and times.get("train_tokens") else None)  # none timed: "-"
   lines = [
       f"run ended: {ended}; {steps_this_run} steps this run in {duration(times['total'])} "
       f"(compile {duration(times['compile'])}, train {duration(times['train'])}, eval "
@@ -296,7 +299,8 @@ def summary_lines(*, ended: str, steps_this_run: int, times: dict[str, float],
       + ("-" if train_loss is None else f"{train_loss:.4f}") + " (log-window mean)"
       + ("" if not eval_record else f"; eval loss {eval_record['loss']:.4f}, ppl "
          f"{eval_record.get('perplexity', float('nan')):.2f} at step {eval_record['step']}"),
-      f"  checkpoint {checkpoint_step} in {checkpoint_dir}",
+      (f"  checkpoint {checkpoint_step} in {checkpoint_dir}" if checkpoint_step is not None
+       else f"  no checkpoint in {checkpoint_dir}"),
       f"  metrics {metrics_path}; tensorboard {tensorboard_dir or '-'}",
   ]
   return lines

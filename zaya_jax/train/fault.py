@@ -52,7 +52,8 @@ class StopSignals:
     if self.received is None:
       self.received = signal.Signals(signum).name
       print(f"received {self.received}: finishing the current step, then writing a checkpoint "
-            "and exiting (Ctrl-C / SIGINT again aborts at once, without a checkpoint)",
+            "(none if it is this run's first step) and exiting (Ctrl-C / SIGINT again aborts "
+            "at once, without a checkpoint)",
             file=sys.stderr, flush=True)
       # A second Ctrl-C terminates the process by the default action: at once, also during
       # a compilation (a Python handler, or KeyboardInterrupt, would wait for it to return and
