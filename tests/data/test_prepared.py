@@ -9,6 +9,9 @@ for the rows is a direct numpy concat-and-cut of the documents in each epoch's p
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import os
 
 from absl import flags
@@ -275,6 +278,41 @@ def test_state_refuses_another_seq_len_and_compat_keeps_it_across_process_counts
   assert compat.data_restart_reason(saved, cfg, it) is None
   saved["train"]["seq_len"] += 1
   assert "train.seq_len changed" in compat.data_restart_reason(saved, cfg, it)
+
+
+def test_a_position_of_the_other_kind_of_pipeline_restarts_the_data_order(corpus, tmp_path):
+  """data.source changed between a prepared corpus and raw text on resume: the saved position
+  is the other pipeline's (a zaya-global state against grain's), which the iterator cannot
+  take. Found by a new-user trial (2026-12-07): it failed every checkpoint as unreadable
+  ("TypeError: _CtsState.__init__() got an unexpected keyword argument 'format'", then
+  "repair or replace the files"); it now restarts the data order, as a run-shape change."""
+  directory, _ = corpus
+  prepared = _iters(directory, processes=1)[0]
+  next(prepared)
+  cfg = resolve(zaya1_tiny.get_config())  # data.source="stdlib": raw text
+  raw = data.make_train_iterator(cfg.data, seq_len=T, batch_size=b, seed=SEED)
+  next(raw)
+  saved = {"runtime": {"process_count": 1}, "data": dict(cfg.data.__dict__),
+           "train": {"seq_len": T}}
+  cfg_t = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=T))
+  for name, state in (("prepared", prepared.get_state()), ("raw", raw.get_state())):
+    step = tmp_path / name
+    (step / "data_iter").mkdir(parents=True)
+    (step / "data_iter" / "process_0-of-1.json").write_text(json.dumps(state))
+  assert compat.saved_data_state_is_global(str(tmp_path / "prepared"), saved) is True
+  assert compat.saved_data_state_is_global(str(tmp_path / "raw"), saved) is False
+  assert compat.saved_data_state_is_global(str(tmp_path / "absent"), saved) is None
+  assert compat.data_restart_reason(saved, cfg_t, raw, saved_global=True) == (
+      "it holds a prepared corpus's global batch position and this run reads raw text "
+      "(data.source='stdlib'), whose iterator cannot take it")
+  reason = compat.data_restart_reason(saved, cfg_t, prepared, saved_global=False)
+  assert reason.startswith("it holds a raw-text pipeline's position and this run reads "
+                           "prepared data"), reason
+  # the same kind: applied as before
+  assert compat.data_restart_reason(saved, cfg_t, prepared, saved_global=True) is None
+  assert compat.data_restart_reason(saved, cfg_t, raw, saved_global=False) is None
+  with pytest.raises(Exception):  # what the restore did before: the other kind's state
+    raw.set_state(prepared.get_state())
 
 
 def _one_line_error(match, fn):

@@ -24,7 +24,7 @@ from zaya_jax.checkpoint.manager import (CHECKSUMMED_ITEMS, CorruptCheckpointErr
                                          all_processes_ok, config_record, failure_reason,
                                          open_manager, saved_config, saved_items,
                                          silence_abandoned_reads, verify_items)
-from zaya_jax.config import CheckpointConfig, ConfigError, RunConfig
+from zaya_jax.config import CheckpointConfig, ConfigError, RunConfig, config_differences
 from zaya_jax.data import global_iterator
 
 CORRUPT_SUFFIX = "_corrupt"  # bad steps of `<dir>` are moved to `<dir>_corrupt/<step>`
@@ -274,12 +274,16 @@ class Checkpointer:
     if data_iter is not None:
       if "data_iter" not in items:
         raise CorruptCheckpointError(f"checkpoint {path} lacks its data_iter item")
-      restart = compat.data_restart_reason(saved, config, data_iter)
+      restart = compat.data_restart_reason(saved, config, data_iter,
+                                           compat.saved_data_state_is_global(path, saved))
       if restart:  # a run-shape change, not corruption: everything else resumes
         logging.warning("checkpoint %s: %s, so the saved data position is not applied: the "
                         "model, optimizer and step resume, and the data order restarts (a new "
                         "shuffle)", path, restart)
       else:
+        if config_differences(saved, config, "data", ignore=("num_workers",)):
+          logging.warning("checkpoint %s: the saved data position is applied to the new data "
+                          "config", path)
         saved_len = saved["train"]["seq_len"]
         if saved_len != config.train.seq_len:
           logging.warning("checkpoint %s: train.seq_len %d -> %d; the data position is carried "

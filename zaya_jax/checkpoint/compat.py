@@ -10,6 +10,8 @@ count, `data.num_workers`, `train.seq_len`) only restarts the data order, with a
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 import jax
@@ -58,8 +60,7 @@ def check_resumable(path: str, saved: dict[str, Any], config: RunConfig,
                     "training resumes from the rounded values", path, reshape["param_dtype"])
   data_diffs = config_differences(saved, config, "data", ignore=("num_workers",))
   if data_diffs:
-    logging.warning("resuming %s with a different data config (%s): the saved iterator "
-                    "position is applied to the new data", path, "; ".join(data_diffs))
+    logging.warning("resuming %s with a different data config (%s)", path, "; ".join(data_diffs))
 
 
 def check_complete(path: str, saved: dict[str, Any], items: dict[str, Any],
@@ -74,8 +75,14 @@ def check_complete(path: str, saved: dict[str, Any], items: dict[str, Any],
                                  "(process_count)")
 
 
-def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any) -> str | None:
+def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any,
+                        saved_global: bool | None = None) -> str | None:
   """Why a checkpoint's data position cannot be applied to `data_iter`, or None if it can.
+
+  `saved_global`: whether the saved position is a prepared corpus's global one (a
+  `zaya-global-*` state, `saved_data_state_is_global`), None if unknown. A position of the
+  other kind of pipeline than `data_iter`'s (prepared data or a mixture <-> raw text, e.g.
+  data.source changed from a prepared directory to "stdlib") cannot be applied.
 
   Positions are per process (`[process_index::process_count]` documents) and per grain
   pipeline: worker processes (`data.num_workers`) pack in another order, and a workers'
@@ -88,7 +95,14 @@ def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any
   (its rows are cut at another length, so the saved row number means other tokens).
   """
   saved_len = saved["train"]["seq_len"]
-  if getattr(data_iter, "process_independent", False):
+  now_global = bool(getattr(data_iter, "process_independent", False))
+  if saved_global is not None and saved_global != now_global:
+    kinds = ("a prepared corpus's global batch position", "a raw-text pipeline's position")
+    return (f"it holds {kinds[0] if saved_global else kinds[1]} and this run reads "
+            f"{'prepared data' if now_global else 'raw text'} (data.source="
+            f"{config.data.source!r}{', data.mixture' if config.data.mixture else ''}), whose "
+            "iterator cannot take it")
+  if now_global:
     if saved_len != config.train.seq_len:
       return (f"train.seq_len changed {saved_len} -> {config.train.seq_len}: the saved global "
               "row counts rows of the old length")
@@ -114,6 +128,21 @@ def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any
     return (f"train.seq_len changed {saved_len} -> {config.train.seq_len} and the position of "
             f"a pipeline with data.num_workers={config.data.num_workers} cannot be converted")
   return None
+
+
+def saved_data_state_is_global(step_path: str, saved: dict[str, Any]) -> bool | None:
+  """Whether the `data_iter` item of checkpoint `step_path` (written by
+  `saved["runtime"]["process_count"]` processes) is a prepared corpus's global position (a
+  `zaya-global-*` state, `zaya_jax.data.global_iterator`) rather than a raw-text pipeline's
+  grain state; None if process 0's file cannot be read (the restore names that)."""
+  count = int(saved.get("runtime", {}).get("process_count", 1))
+  filename = os.path.join(step_path, "data_iter", f"process_0-of-{count}.json")
+  try:
+    with open(filename, encoding="utf-8") as f:
+      state = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return isinstance(state, dict) and str(state.get("format", "")).startswith("zaya-global-")
 
 
 def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str | None:
