@@ -90,6 +90,11 @@ def test_wsd_in_stable_phase_extends_continuously():
   assert new.num_steps == 20 and new.schedule_steps == 0
   assert _lrs(old, [5]) == _lrs(new, [5]) == pytest.approx([1e-3])
   assert _lrs(new, [15]) == pytest.approx([1e-3]) and _lrs(new, [19])[0] < 1e-3
+  # "constant" asked for keeps the saved horizon even where the next lr agrees (it took the
+  # new one, contrary to the flag, until a new-user trial, 2026-12-07)
+  kept = extend_schedule(_saved(old), _train(schedule="wsd", num_steps=20, decay_fraction=0.2,
+                                             schedule_extend="constant"), 5)
+  assert kept.schedule_steps == 10 and _lrs(kept, range(21)) == _lrs(old, range(21))
   # In its decay phase the rate would change: refused.
   with pytest.raises(ConfigError, match="train.num_steps 10 -> 20"):
     extend_schedule(_saved(old), _train(schedule="wsd", num_steps=20, decay_fraction=0.2), 9)

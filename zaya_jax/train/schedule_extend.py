@@ -4,11 +4,12 @@ checkpoint's (`train.schedule_extend`).
 The schedule's horizon (`optim.schedule_horizon`: `train.schedule_steps`, 0 = `num_steps`) is
 saved with every checkpoint's config. On resume, `extend_schedule` compares the next update's
 learning rate under the saved horizon and under the new one:
-  equal (relative 1e-6; e.g. "wsd" in its stable phase, whose decay moves to the new end):
-    the new horizon is taken, logged as one info line;
+  "constant" (asked for): the saved horizon is kept (`schedule_steps` set to it, so it
+    survives later resumes), whatever the rates: the old schedule continues, with its saved
+    warm-up, at its final rate after its end;
+  otherwise, equal (relative 1e-6; e.g. "wsd" in its stable phase, whose decay moves to the
+    new end): the new horizon is taken, logged as one info line;
   different, `schedule_extend="refuse"` (default): ConfigError naming both rates and the fixes;
-  "constant": the saved horizon is kept (`schedule_steps` set to it, so it survives later
-    resumes): the old schedule continues, at its final rate after its end;
   "stretch": the schedule is recomputed over the new horizon, the jump is logged as a warning.
 A resume with the same `num_steps` and `schedule_steps=0` keeps the saved `schedule_steps`.
 
@@ -71,15 +72,18 @@ def extend_schedule(saved_train: dict[str, Any], train: TrainConfig, step: int) 
   old_lr = float(make_schedule(old_train)(step))
   new_lr = float(make_schedule(dataclasses.replace(train, schedule_steps=new_horizon))(step))
   change = f"train.num_steps {saved_num} -> {train.num_steps}"
+  if train.schedule_extend == "constant":  # the user's choice, even where the next lr agrees
+    warmup = (f"; its warm-up is the saved {old_train.warmup_steps} steps, not "
+              f"{train.warmup_steps}" if old_train.warmup_steps != train.warmup_steps else "")
+    (logging.warning if warmup else logging.info)(
+        "%s at step %d: train.schedule_extend=constant keeps the %d-step %s schedule (next lr "
+        "%.3e; constant at its final value after step %d)%s", change, step, old_horizon,
+        train.schedule, old_lr, old_horizon, warmup)
+    return old_train
   if abs(new_lr - old_lr) <= RTOL * max(abs(old_lr), abs(new_lr)):
     logging.info("%s at step %d: the %s schedule now runs over %d steps; the next lr is "
                  "unchanged (%.3e)", change, step, train.schedule, new_horizon, new_lr)
     return train
-  if train.schedule_extend == "constant":
-    logging.info("%s at step %d: train.schedule_extend=constant keeps the %d-step %s schedule "
-                 "(next lr %.3e; constant at its final value after step %d)", change, step,
-                 old_horizon, train.schedule, old_lr, old_horizon)
-    return old_train
   if train.schedule_extend == "stretch":
     logging.warning("%s at step %d: train.schedule_extend=stretch recomputes the %s schedule "
                     "over %d steps; the lr jumps %.3e -> %.3e", change, step, train.schedule,
