@@ -5,10 +5,13 @@ Unit tests of `extend_schedule` against `make_schedule` (the loop calls it with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import shutil
 
 import pytest
+from absl import logging as absl_logging
 
 from tests.train.inproc import tiny_run_config
 from zaya_jax.checkpoint import Checkpointer
@@ -17,6 +20,27 @@ from zaya_jax.train import run
 from zaya_jax.train.metrics import read_metrics
 from zaya_jax.train.optim import make_schedule
 from zaya_jax.train.schedule_extend import extend_schedule
+
+
+@contextlib.contextmanager
+def absltest_log_capture():
+  """The messages absl logs inside the block (every level), as a list filled on exit."""
+  lines: list[str] = []
+
+  class Handler(logging.Handler):
+    def emit(self, record):
+      lines.append(record.getMessage())
+
+  handler = Handler(level=logging.DEBUG)
+  logger = absl_logging.get_absl_logger()
+  level = logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
+  try:
+    yield lines
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def _train(**kw):
@@ -137,6 +161,15 @@ def test_resumed_run_through_the_loop(tmp_path):
   ckpt = Checkpointer(str(work / "checkpoints"), resolve(tiny_run_config()).checkpoint)
   assert ckpt.saved_config(9)["train"]["schedule_steps"] == 6
   ckpt.close()
+  # Resumed with nothing to train: no eval step is compiled (it was, 4.5 s on zaya1_tiny, for
+  # nothing), no record but the summary is added, the checkpoint stays.
+  before = read_metrics(str(work))
+  with absltest_log_capture() as logs:
+    run(tiny_run_config(num_steps=9, schedule_extend="constant"), str(work))
+  assert not any("compiling the eval step" in line for line in logs), logs
+  assert any("nothing to train" in line for line in logs), logs
+  after = read_metrics(str(work))
+  assert after[:len(before)] == before and [r["kind"] for r in after[len(before):]] == ["summary"]
 
   run(tiny_run_config(num_steps=9, schedule_extend="stretch"), str(copy))
   want = _lrs(dataclasses.replace(cfg, num_steps=9), [6, 7, 8])  # updates 7, 8, 9

@@ -198,7 +198,7 @@ def compile_and_header(start: Start, workdir: str, mesh: jax.sharding.Mesh,
                        is_main: bool) -> Compiled:
   """The run's peak FLOP/s; WORKDIR/config.json, WORKDIR/optimizer.txt and the console header
   ('Starting|Resuming at step S/N: ...', `console.header_lines`) on process 0; then the eval
-  step, compiled ahead of time when there are eval batches."""
+  step, compiled ahead of time when there are eval batches and steps to train."""
   cfg, train, step = start.cfg, start.cfg.train, int(start.state.step)
   profile, peak_flops, peak_measured = _peak_flops(cfg)
   flops_per_token = sizing.train_flops_per_token(cfg.model, train.seq_len)
@@ -226,7 +226,8 @@ def compile_and_header(start: Start, workdir: str, mesh: jax.sharding.Mesh,
                              start.built.data_sharding)
   eval_batches = [b for batches in start.eval_sets.values() for b in batches]
   compile_s = 0.0
-  if eval_batches:  # compiled now, so that every evaluation can run under the watchdog
+  if eval_batches and step < train.num_steps:  # compiled now, so that every evaluation can run
+    # under the watchdog; a run with nothing to train evaluates nothing (`loop.finish`)
     if is_main:
       logging.info("compiling the eval step ...")
     begin = time.perf_counter()
