@@ -189,3 +189,23 @@ def test_training_on_a_mixture(corpora, tmp_path, caplog):
   mean = sum(p["loss"] * p["tokens"] for p in parts.values()) / final["tokens"]
   assert final["loss"] == pytest.approx(mean, rel=1e-9)
   assert parts["a"]["loss"] != pytest.approx(parts["b"]["loss"], rel=1e-3)  # distinct corpora
+
+
+def test_a_source_beside_a_mixture_is_named_as_unread(corpora, caplog):
+  """data.mixture replaces data.source: a source given as well (not the default "stdlib") is
+  not read, and `resolve` says so (it was silent; found by a new-user trial, 2026-12-07)."""
+  from absl import logging as absl_logging
+
+  from configs import zaya1_tiny
+  from zaya_jax.config import resolve
+  a, b = corpora
+  config = zaya1_tiny.get_config()
+  config.data.mixture = f"{a}:0.6,{b}:0.4"
+  with caplog.at_level("WARNING", logger=absl_logging.get_absl_logger().name):
+    resolve(config)  # the default source beside a mixture: nothing to say
+    assert not [r for r in caplog.records if "data.mixture is set" in r.getMessage()]
+    config.data.source = b
+    resolve(config)
+  assert [r.getMessage() for r in caplog.records if "data.mixture is set" in r.getMessage()] == [
+      f"data.mixture is set, so data.source={b!r} is not read (the mixture replaces it); "
+      "drop one of them to silence this"]

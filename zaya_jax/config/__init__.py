@@ -308,6 +308,9 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
   model, train, mesh, balance = synthetic_configs(config)
   data = build_group(DataConfig, config, "data")
   checkpoint = build_group(CheckpointConfig, config, "checkpoint")
+  if data.mixture.strip() and data.source != DataConfig.source:
+    logging.warning("data.mixture is set, so data.source=%r is not read (the mixture replaces "
+                    "it); drop one of them to silence this", data.source)
 
   if train.batch_size % process_count:
     raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by the "
