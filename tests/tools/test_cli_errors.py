@@ -160,6 +160,8 @@ def test_flag_error_lines():
   absl_flags.DEFINE_integer("least", 64, "n", lower_bound=2, flag_values=values)
   absl_flags.DEFINE_float("temperature", 0.8, "t", lower_bound=0.0, flag_values=values)
   absl_flags.DEFINE_float("lr", None, "l", flag_values=values)
+  absl_flags.DEFINE_integer("steps", None, "s", lower_bound=1, flag_values=values)
+  absl_flags.DEFINE_integer("skip", None, "s", lower_bound=0, flag_values=values)
   absl_flags.DEFINE_enum("mode", "next", ["next", "current"], "m", flag_values=values)
   absl_flags.DEFINE_string("workdir", None, "dir", flag_values=values)
   absl_flags.mark_flag_as_required("workdir", flag_values=values)
@@ -182,6 +184,9 @@ def test_flag_error_lines():
       "--lr=x": "--lr=x: the value must be a number, e.g. --lr=3e-4",  # no default
       "--temperature=x": "--temperature=x: the value must be a number, e.g. --temperature=0.8",
       "--window=0": "--window=0: the value must be a positive integer, e.g. --window=16",
+      # no default: the bound's least value (was `e.g. --steps=...`)
+      "--steps=0": "--steps=0: the value must be a positive integer, e.g. --steps=1",
+      "--skip=-1": "--skip=-1: the value must be a non-negative integer, e.g. --skip=0",
       "--temperature=-1": ("--temperature=-1: the value must be a non-negative number, e.g. "
                            "--temperature=0.8"),
       "--mode=both": "--mode=both: the value must be one of next, current, e.g. --mode=next",
@@ -325,8 +330,7 @@ def test_unwritable_outputs_and_bad_values_stop_before_the_work(tmp_path):
       "launch.evaluate: --out=/nonexistent_dir/x.json: the folder /nonexistent_dir does not "
       "exist; create it or pass another path")
   assert _one_line(_run("launch.plot", "--workdir=/tmp/x", f"--out={a_file}")) == (
-      f"launch.plot: --out={a_file}: {a_file} is not a directory, so {a_file} cannot be created "
-      "there; pass a directory path")
+      f"launch.plot: --out={a_file} exists and is not a directory; pass a directory path")
   assert _one_line(_run("launch.mesh_sweep", "--config=configs/zaya1_tiny.py", "--out=/tmp/x",
                         "--dispatches=bogus")) == (
       "invalid flags: --dispatches=bogus: bogus is not a dispatch path; use some of auto, local, "
@@ -344,7 +348,7 @@ def test_unwritable_outputs_and_bad_values_stop_before_the_work(tmp_path):
       "--entropy_steps=100,200,400")
   assert _one_line(_run("launch.bench_loader", "--batch_size=-1")) == (
       "invalid flags: --batch_size=-1: the value must be a positive integer, e.g. "
-      "--batch_size=...")
+      "--batch_size=1")
   # an export into the run's own directory overwrote its config.json (status 0)
   run = tmp_path / "run"
   run.mkdir()
@@ -392,7 +396,7 @@ def test_second_trial_leftovers_are_one_line(tmp_path):
       "drop it (or use --out=FILE)")
   assert _one_line(_run("launch.evaluate", f"--workdir={tmp_path}", "--eval_batches=0")) == (
       "invalid flags: --eval_batches=0: the value must be a positive integer, e.g. "
-      "--eval_batches=...")
+      "--eval_batches=1")
   # a config error was the second line, after the console's `single process: ...` INFO line
   assert _one_line(_run("launch.train", "--config=configs/zaya1_tiny.py",
                         f"--workdir={tmp_path / 'w2'}", "--config.train.eval_batches=2",

@@ -165,3 +165,15 @@ def test_balance_floor_cli(trained):
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines()[-1].startswith("launch.balance_floor: --step=99"), \
       proc.stderr[-2000:]
+
+
+def test_find_run_checkpoint_names_a_file_given_as_workdir(tmp_path):
+  """--workdir=FILE said "no such directory" (found by a new-user trial, 2026-12-07)."""
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  with pytest.raises(ValueError) as e:
+    find_run_checkpoint(str(a_file), None)
+  assert str(e.value) == (f"--workdir={a_file}: a file, not a directory; pass a training run's "
+                          "--workdir")
+  with pytest.raises(ValueError, match="no such directory$"):
+    find_run_checkpoint(str(tmp_path / "nope"), None)

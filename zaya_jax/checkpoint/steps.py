@@ -43,7 +43,9 @@ def find_run_checkpoint(workdir: str, step: int | None) -> tuple[str, int, dict[
       an unreadable config; one line naming the path and the fix.
   """
   if not os.path.isdir(workdir):
-    raise ValueError(f"--workdir={workdir}: no such directory")
+    raise ValueError(f"--workdir={workdir}: " + ("a file, not a directory; pass a training run's "
+                                                 "--workdir" if os.path.exists(workdir)
+                                                 else "no such directory"))
   ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints"))
   if not os.path.isdir(ckpt_dir):
     raise ValueError(f"no checkpoint in {workdir}: {ckpt_dir} does not exist (is it a training "

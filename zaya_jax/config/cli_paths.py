@@ -159,6 +159,8 @@ def unwritable_dir_problem(path: str, flag: str, subdirs: Sequence[str] = ()) ->
   while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
     probe = os.path.dirname(probe)
   if not os.path.isdir(probe):
+    if probe == target:
+      return f"{flag}={path} exists and is not a directory; pass a directory path"
     return (f"{flag}={path}: {probe} is not a directory, so {target} cannot be created there; "
             "pass a directory path")
   if fs_type := _pseudo_file_system(probe):
@@ -273,8 +275,9 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
     if bound:
       what = bound.group(2)
       article = bound.group(1) or ("an " if what[:1] in "aeiou" else "a ")
+      fallback = {"positive integer": "1", "non-negative integer": "0"}.get(what, "...")
       return (f"invalid flags: {flag}={value}: the value must be {article}{what}, e.g. "
-              f"{flag}={_example(values, name, '...')}")
+              f"{flag}={_example(values, name, fallback)}")
     choice = re.match(r"value should be one of <(.*)>$", why)
     if choice:
       options = choice.group(1).split("|")
