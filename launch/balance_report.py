@@ -26,6 +26,8 @@ _WINDOW = flags.DEFINE_integer("window", 16, "Steps per block of the windowed lo
 _ENTROPY_STEPS = flags.DEFINE_list("entropy_steps", ["100", "200", "400"],
                                    "Steps at which the normalised load entropy is reported.")
 flags.mark_flag_as_required("workdirs")
+flags.register_multi_flags_validator(["first", "last"], lambda f: f["first"] <= f["last"],
+                                     "--first must be <= --last (the window's first and last step)")
 
 
 def main(argv):

@@ -64,7 +64,9 @@ def main(argv):
   print(f"prepare_data: {m.documents} documents, {m.tokens} tokens, {len(m.shards)} shards "
         f"-> {result.manifest_path}; this run {result.documents} documents, {result.tokens} "
         f"tokens in {result.seconds:.1f} s ({result.documents / seconds:,.0f} docs/s, "
-        f"{result.tokens / seconds:,.0f} tokens/s, {result.workers} workers){resumed}")
+        f"{result.tokens / seconds:,.0f} tokens/s, "
+        f"{'in-process' if result.workers == 1 else f'{result.workers} worker processes'})"
+        f"{resumed}")
 
 
 def run_main():

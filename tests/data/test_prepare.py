@@ -365,6 +365,7 @@ def test_cli_rerun_after_fixing_the_input_continues(tmp_path):
   assert rerun.returncode == 0, rerun.stderr
   assert "prepare_data: 33 documents" in rerun.stdout
   assert "1 of 2 files were done before" in rerun.stdout
+  assert "tokens/s, in-process);" in rerun.stdout, rerun.stdout  # was "1 workers"
   assert (f"continuing an unfinished run with other arguments ({tmp_path}/bad.jsonl: 55 -> 50 "
           "bytes)") in rerun.stderr
 

@@ -343,6 +343,10 @@ def test_unwritable_outputs_and_bad_values_stop_before_the_work(tmp_path):
   # status 0 with an empty table / a traceback-free error naming no flag / a negative rate
   assert _one_line(_run("launch.balance_report", "--workdirs=")) == (
       "invalid flags: --workdirs is empty; e.g. --workdirs=/tmp/run_a,/tmp/run_b")
+  assert _one_line(_run("launch.balance_report", "--workdirs=/tmp/x", "--first=50",
+                        "--last=10")) == (  # was "train ... for >= 50 steps"
+      "invalid flags: --first=50, --last=10: --first must be <= --last (the window's first and "
+      "last step)")
   assert _one_line(_run("launch.balance_report", "--workdirs=/tmp/x", "--entropy_steps=a,b")) == (
       "invalid flags: --entropy_steps=a,b: 'a' is not a step number; e.g. "
       "--entropy_steps=100,200,400")
