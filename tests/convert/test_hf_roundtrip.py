@@ -106,3 +106,21 @@ def test_trained_model_logits_match(imported, tmp_path):
     want = back(ids).logits.numpy()
   got = np.asarray(nnx.jit(lambda m, x: m(x))(trained, jnp.asarray(ids.numpy())))
   assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+
+
+def test_export_over_an_earlier_export_replaces_its_weights_and_says_so(imported, tmp_path, caplog):
+  """A sharded export, then an unsharded one into the same --out: the shards and index are
+  removed (as transformers' save_pretrained does), and a warning names them (it was silent;
+  found by a new-user trial, 2026-12-07). A first export into an empty folder says nothing."""
+  from absl import logging as absl_logging
+  _, _, ours = imported
+  with caplog.at_level("WARNING", logger=absl_logging.get_absl_logger().name):
+    save_pretrained(ours, str(tmp_path), max_shard_size_bytes=20_000)
+    assert not [r for r in caplog.records if "earlier export" in r.getMessage()]
+    shards = sorted(p.name for p in tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 3
+    save_pretrained(ours, str(tmp_path))
+  assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+  assert [r.getMessage() for r in caplog.records if "earlier export" in r.getMessage()] == [
+      f"{tmp_path} held an earlier export: its {len(shards) + 1} weight file(s) ({shards[0]}, "
+      f"{shards[1]}, {shards[2]}, ...) are replaced"]

@@ -150,10 +150,13 @@ def save_pretrained(model: ZayaForCausalLM, out_dir: str, dtype=np.float32,
       size = 0
     shards[-1][k] = v
     size += v.nbytes
-  for stale in os.listdir(out_dir):  # a previous export's files must not mix with this one
-    if stale == "model.safetensors.index.json" or (
-        stale.startswith("model") and stale.endswith(".safetensors")):
-      os.remove(os.path.join(out_dir, stale))
+  stale = sorted(f for f in os.listdir(out_dir) if f == "model.safetensors.index.json" or (
+      f.startswith("model") and f.endswith(".safetensors")))
+  if stale:  # a previous export's files must not mix with this one (as save_pretrained does)
+    logging.warning("%s held an earlier export: its %d weight file(s) (%s) are replaced",
+                    out_dir, len(stale), ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else ""))
+  for name in stale:
+    os.remove(os.path.join(out_dir, name))
   metadata = {"format": "pt"}
   total = sum(v.nbytes for v in tensors.values())
   if progress is None:
