@@ -430,7 +430,9 @@ def config_value_problem(argv: Sequence[str], values: flags.FlagValues | None = 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing for an entry point: pass as `app.run(main, flags_parser=parse_flags)`.
-  Exits with one line, status 1, if the --config file cannot be loaded (`config_file_problem`),
+  Exits with one line, status 1, if the --config file cannot be loaded (`config_file_problem`;
+  its own code raises, has no get_config or returns no ConfigDict: `config_load_error`,
+  `config_value_problem`),
   absl rejects a flag (`flag_error`: an unknown flag, a value of the wrong type or out of
   bounds, a missing required flag, an unreadable --flagfile), ml_collections a `--config.*`
   override (`override_error`: a field that does not exist), a flag would take the next flag
