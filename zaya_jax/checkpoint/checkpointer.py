@@ -325,7 +325,7 @@ def _restore_process_independent(path: str, saved_count: int, data_iter: Any) ->
   """Applies process 0's saved state of a `process_independent` iterator (the same on every
   process) written by `saved_count` processes: grain's CheckpointRestore would look for this
   run's `process_<i>-of-<n>.json` only."""
-  filename = os.path.join(path, "data_iter", f"process_0-of-{saved_count}.json")
+  filename = compat.process0_data_state_file(path, saved_count)
   with open(filename, encoding="utf-8") as f:
     state = json.load(f)
   data_iter.set_state(state)

@@ -130,13 +130,19 @@ def data_restart_reason(saved: dict[str, Any], config: RunConfig, data_iter: Any
   return None
 
 
+def process0_data_state_file(step_path: str, process_count: int) -> str:
+  """The JSON file of process 0's data position in checkpoint `step_path`, written by
+  `process_count` processes (grain's `process_<i>-of-<n>.json` in the `data_iter` item)."""
+  return os.path.join(step_path, "data_iter", f"process_0-of-{process_count}.json")
+
+
 def saved_data_state_is_global(step_path: str, saved: dict[str, Any]) -> bool | None:
   """Whether the `data_iter` item of checkpoint `step_path` (written by
   `saved["runtime"]["process_count"]` processes) is a prepared corpus's global position (a
   `zaya-global-*` state, `zaya_jax.data.global_iterator`) rather than a raw-text pipeline's
   grain state; None if process 0's file cannot be read (the restore names that)."""
   count = int(saved.get("runtime", {}).get("process_count", 1))
-  filename = os.path.join(step_path, "data_iter", f"process_0-of-{count}.json")
+  filename = process0_data_state_file(step_path, count)
   try:
     with open(filename, encoding="utf-8") as f:
       state = json.load(f)

@@ -281,6 +281,14 @@ def header_lines(*, resuming: bool, step: int, num_steps: int, params_total: int
   ]
 
 
+def mean_tokens_per_s(times: dict[str, float]) -> float | None:
+  """The run's mean tokens/s: `times["train_tokens"]` (the steps after the compile step) /
+  `times["train"]` (seconds); None when no step was timed (a run stopped in its first step)."""
+  if not times.get("train") or not times.get("train_tokens"):
+    return None
+  return times["train_tokens"] / times["train"]
+
+
 def summary_lines(*, ended: str, steps_this_run: int, times: dict[str, float],
                   tokens_this_run: int, train_loss: float | None, eval_record: dict | None,
                   checkpoint_step: int | None, checkpoint_dir: str, metrics_path: str,
@@ -289,8 +297,7 @@ def summary_lines(*, ended: str, steps_this_run: int, times: dict[str, float],
   "checkpoint"; mean tok/s = times["train_tokens"] (the steps after the compile step) /
   times["train"], "-" when no step was timed (a run stopped during its first step);
   `checkpoint_step` None: "no checkpoint in DIR"."""
-  tok_s = (times["train_tokens"] / times["train"]
-           if times.get("train") and times.get("train_tokens") else None)  # none timed: "-"
+  tok_s = mean_tokens_per_s(times)
   lines = [
       f"run ended: {ended}; {steps_this_run} steps this run in {duration(times['total'])} "
       f"(compile {duration(times['compile'])}, train {duration(times['train'])}, eval "

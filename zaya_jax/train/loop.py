@@ -419,8 +419,7 @@ class _Loop:
         "steps_this_run": self.steps_this_run, "tokens_this_run": tokens_this_run,
         "train_loss": self.last_train_loss,
         "eval_loss": self.last_eval["loss"] if self.last_eval else None,
-        "tokens_per_s": (times["train_tokens"] / times["train"]
-                         if times["train"] and times["train_tokens"] else None),
+        "tokens_per_s": console.mean_tokens_per_s(times),
         "step_time_median_s": self.watchdog.median_step_s,  # what the watchdog's bound follows
         **{f"{k}_time_s": times[k] for k in ("total", "compile", "train", "eval", "checkpoint")}})
     tensorboard_dir = self.metrics_out.tensorboard_dir
