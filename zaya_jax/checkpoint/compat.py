@@ -173,7 +173,8 @@ def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str 
 # the default then (no router or expert scaling, no integral, no reroute).
 _BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("train", "expert_lr_scale", 1.0),
                        ("balance", "quantile_integral", 0.0),
-                       ("balance", "quantile_reroute", False))
+                       ("balance", "quantile_reroute", False),
+                       ("balance", "rate_follows_lr", False))
 
 
 def changed_balancing_settings(saved: dict[str, Any], config: RunConfig) -> list[str]:

@@ -231,8 +231,8 @@ def quantile_step(cfg: BalanceConfig, biases_LX: jax.Array, state: BalanceState,
 def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: BalanceState,
                        counts_LX: jax.Array, apply: jax.Array | bool = True,
                        probs_LMX: jax.Array | None = None, valid_M: jax.Array | None = None,
-                       routing_biases_LX: jax.Array | None = None
-                       ) -> tuple[nnx.State, BalanceState]:
+                       routing_biases_LX: jax.Array | None = None,
+                       rate: jax.Array | None = None) -> tuple[nnx.State, BalanceState]:
   """The `balance.mode` update of the biases inside `model_state`: `(new model_state, state)`.
 
   Args:
@@ -242,6 +242,8 @@ def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: Balanc
       (`quantile_step`); needed by "quantile" only.
     routing_biases_LX: the biases the batch was routed with (the model's aux); used by
       "quantile" with `quantile_apply="current"`, where the model solved them.
+    rate: float32 [] or None; the update is scaled by it, b <- b + rate * (b_new - b)
+      (`balance.rate_follows_lr`); the controller state moves as computed. None = 1.
 
   Raises:
     ValueError: "quantile" mode without `probs_LMX` / `valid_M` (or, with "current",
@@ -255,6 +257,8 @@ def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: Balanc
     new_LX, new_state = quantile_step(cfg, biases_LX, state, probs_LMX, valid_M, apply, solved)
   else:
     new_LX, new_state = controller_step(cfg, biases_LX, state, counts_LX, apply)
+  if rate is not None:
+    new_LX = biases_LX + rate * (new_LX - biases_LX)
   return set_biases(model_state, new_LX), new_state
 
 

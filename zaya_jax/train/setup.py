@@ -13,7 +13,7 @@ from flax import nnx
 from zaya_jax.config import BalanceConfig, TrainConfig
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.mesh import batch_sharding
-from zaya_jax.train.optim import make_optimizer, make_schedule
+from zaya_jax.train.optim import balance_rate_schedule, make_optimizer, make_schedule
 from zaya_jax.train.state import TrainState, abstract_model, abstract_train_state, train_state_shardings
 from zaya_jax.train.step import make_train_step
 
@@ -54,6 +54,8 @@ def setup_training(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sha
   data_sharding = batch_sharding(mesh)
   step = make_train_step(graphdef, tx, schedule, state_sharding, data_sharding,
                          fault_injection=fault_injection, balance=balance,
-                         grad_accum_steps=train_cfg.grad_accum_steps)
+                         grad_accum_steps=train_cfg.grad_accum_steps,
+                         balance_rate=(balance_rate_schedule(train_cfg) if balance is not None
+                                       and balance.rate_follows_lr else None))
   return TrainSetup(graphdef, params_shape, tx, schedule, abstract_state, state_sharding,
                     data_sharding, step)

@@ -222,7 +222,8 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                schedule: optax.Schedule, state: TrainState, batch: Batch,
                poison: jax.Array | None = None,
                balance: BalanceConfig | None = None, grad_accum_steps: int = 1,
-               batch_sharding=None) -> tuple[TrainState, Metrics]:
+               batch_sharding=None, balance_rate: optax.Schedule | None = None
+               ) -> tuple[TrainState, Metrics]:
   """One optimizer update on the mean next-token loss; gradients w.r.t. `state.params` only.
 
   An update whose loss or gradient norm is not finite is skipped: parameters, optimizer
@@ -244,6 +245,9 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       to float summation order, with activation memory for one micro-batch. The controller
       sees the summed routing counts of all micro-batches.
     batch_sharding: the batch's sharding, applied to each micro-batch (None = unconstrained).
+    balance_rate: `balance.rate_follows_lr`'s factor per step
+      (`zaya_jax.train.optim.balance_rate_schedule`): each bias update is scaled by it,
+      b <- b + rate(step) * (b_new - b); None = 1 (the update as the controller computed it).
 
   Returns:
     The new state (step + 1) and metrics: float32 [] `loss` (mean next-token cross-entropy
@@ -279,7 +283,8 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       probs_LMX = rerouted_probs(graphdef, params, state.model_state, aux["router_inputs"])
     model_state, balance_state = balance_lib.update_model_state(
         cfg, state.model_state, balance_state, jax.lax.stop_gradient(counts_LX), finite,
-        probs_LMX, aux.get("valid"), aux.get("routing_biases"))
+        probs_LMX, aux.get("valid"), aux.get("routing_biases"),
+        None if balance_rate is None else balance_rate(state.step))
   skipped = (~finite).astype(jnp.int32)
   new_state = state.replace(
       step=state.step + 1,
@@ -327,13 +332,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, state_shardings=None, batch_sharding=None,
                     fault_injection: bool = False,
                     balance: BalanceConfig | None = None,
-                    grad_accum_steps: int = 1) -> Callable[..., tuple[TrainState, Metrics]]:
+                    grad_accum_steps: int = 1,
+                    balance_rate: optax.Schedule | None = None
+                    ) -> Callable[..., tuple[TrainState, Metrics]]:
   """`train_step` with the static parts bound, jitted; the input state's buffers are donated.
 
   With `fault_injection` the step takes a third argument, `poison` (bool []; see
   `train_step`), for the loop's test-only `train.inject_nan_at_steps`. `balance`: the
   balancing-bias controller config (see `train_step`; None = off). `grad_accum_steps`:
-  micro-batches per update (see `train_step`).
+  micro-batches per update, `balance_rate`: the factor on each bias update (see `train_step`).
 
   With `state_shardings` (a TrainState of NamedShardings) and `batch_sharding`, the step keeps
   the state in its sharding and metrics replicated; call it inside `jax.set_mesh(mesh)`.
@@ -345,10 +352,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     if kw:
       kw["in_shardings"] = (*kw["in_shardings"], None)
     return jax.jit(lambda state, batch, poison: train_step(
-        graphdef, tx, schedule, state, batch, poison, balance, grad_accum_steps, batch_sharding),
+        graphdef, tx, schedule, state, batch, poison, balance, grad_accum_steps, batch_sharding,
+        balance_rate),
                    donate_argnums=0, **kw)
   return jax.jit(lambda state, batch: train_step(
-      graphdef, tx, schedule, state, batch, None, balance, grad_accum_steps, batch_sharding),
+      graphdef, tx, schedule, state, batch, None, balance, grad_accum_steps, batch_sharding,
+      balance_rate),
                  donate_argnums=0, **kw)
 
 
