@@ -10,9 +10,11 @@ import shlex
 import signal
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 from absl import flags as absl_flags
+from ml_collections import config_flags
 
 from tests.helpers import MODEL_OVERRIDES, REPO
 from zaya_jax.config import cli_paths
@@ -151,7 +153,7 @@ def test_short_run_clamps_the_warm_up_with_one_warning(tmp_path):
 
 # --- absl's own flag errors, in every entry point ------------------------------------------
 
-def test_flag_error_lines():
+def test_flag_error_lines(tmp_path):
   """`flag_error` on the messages absl raises (absl.flags 2.x wording): each names the flag,
   what it takes and an example, the flag's default where it has one."""
   values = absl_flags.FlagValues()
@@ -213,6 +215,18 @@ def test_flag_error_lines():
     values(["prog", "--batches=abc", "--workdir=x"])
   assert flag_error(e.value) == (
       "invalid flags: --batches=abc: the value must be an integer, e.g. --batches=100")
+  values = absl_flags.FlagValues()  # a value for a whole config group (was "must be a dict.")
+  config_file = tmp_path / "groups.py"
+  config_file.write_text("import ml_collections\n\ndef get_config():\n  return "
+                         "ml_collections.ConfigDict({'train': {'seed': 0, 'lr': 3e-4}})\n")
+  argv = ["prog", f"--config={config_file}", "--config.train=5"]
+  with mock.patch.object(sys, "argv", argv):  # ml_collections reads the overrides from it
+    config_flags.DEFINE_config_file("config", flag_values=values)
+    with pytest.raises(absl_flags.Error) as e:
+      values(argv)
+  assert flag_error(e.value, values) == (
+      "invalid flags: --config.train=5: --config.train is a group of settings, not one value; "
+      "set its fields, e.g. --config.train.lr=...")
 
 
 def test_flag_taken_as_value():

@@ -224,6 +224,19 @@ def _example(values: flags.FlagValues | None, name: str, fallback: str) -> str:
   return str(default)
 
 
+def _first_field(values: flags.FlagValues | None, name: str) -> str:
+  """The first field of the config group `name` (`config.train`: "seed"), read from the
+  parsed config in `values`; "FIELD" when it cannot be read."""
+  root, *path = name.split(".")
+  try:
+    group = values[root].value
+    for part in path:
+      group = group[part]
+    return next(iter(group.keys()))
+  except Exception:  # noqa: BLE001 - only an example in an error message
+    return "FIELD"
+
+
 def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
   """One line for a flag absl rejected, naming the flag, what it takes and an example (the
   flag's default in `values` when it has one; for a `--config.*` field, the config file's
@@ -233,6 +246,8 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
     a value out of bounds or not a choice: `--window=0: the value must be a positive integer,
       e.g. --window=16`, `--mode=c: the value must be one of a, bb, e.g. --mode=a`;
     a flag left without its value: `--window needs a value, e.g. --window=16`;
+    a value for a whole config group: `--config.train=5: --config.train is a group of
+      settings, not one value; set its fields, e.g. --config.train.seed=...`;
     a required flag left out: `--workdir is required, e.g. --workdir=...`;
     a --flagfile that cannot be read: `--flagfile: cannot read it: [Errno 2] ...`;
     a registered validator's "must ..." message: `--min_size=0: the value must be >= 1, e.g.
@@ -272,6 +287,9 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
           example = _example(values, name, example)
         return f"invalid flags: {flag}={value}: the value must be {kind}, e.g. {flag}={example}"
     bound = re.match(r".* is not (an? )?(.*)$", why)
+    if bound and bound.group(2).rstrip(".") in ("dict", "ConfigDict"):  # a whole group
+      return (f"invalid flags: {flag}={value}: {flag} is a group of settings, not one value; "
+              f"set its fields, e.g. {flag}.{_first_field(values, name)}=...")
     if bound:
       what = bound.group(2)
       article = bound.group(1) or ("an " if what[:1] in "aeiou" else "a ")
