@@ -186,7 +186,7 @@ def get_config() -> ml_collections.ConfigDict:
   b.quantile_step = 1.0  # "quantile" "next": fraction of each histogram step taken
   b.quantile_integral = 0.0  # "quantile" "next": b += ki * (running sum of the solved shifts) on top of the EMA step (removes its lag behind a drifting router; 0.15 without quantile_reroute, README "Load balancing"); 0 = the EMA step alone
   b.quantile_reroute = True  # "quantile" "next": re-score this step's router inputs with the router after the optimizer update before the histogram step (the biases then do not lag the router's own step; the router MLP over [L, B*T, D] stored inputs, no extra collective)
-  b.rate_follows_lr = False  # every rule: after warm-up, scale each bias update by lr(step) / train.lr (the balancing slows as the lr decays; README "Load balancing")
+  b.rate_lr_power = 0.0  # every rule: after warm-up, scale each bias update by (lr(step) / train.lr) ** this; 0 = the whole update every step (README "Load balancing")
   b.quantile_sweeps = 64  # "quantile" with "current": most coordinate sweeps of the exact solve (it stops once every class is within 1 token)
   b.bias_clamp = 0.0  # controlled biases stay in [-this, this]; 0 = no clamp
   # Target fraction of tokens routed to the skip class; None (or < 0) = off: the skip bias

@@ -313,6 +313,9 @@ def test_config_rejects_bad_mode_settings():
     BalanceConfig(adamw_eps=0.0)
   with pytest.raises(ConfigError, match="balance.quantile_reroute"):
     BalanceConfig(quantile_reroute=1)
+  for bad in (1.5, -0.5, True, "1"):
+    with pytest.raises(ConfigError, match=r"balance.rate_lr_power=.* must be a number in \[0, 1\]"):
+      BalanceConfig(rate_lr_power=bad)
 
 
 # Balancing on meshes (multidevice: 8 fake CPU devices). For each mode ("quantile_current":
@@ -452,32 +455,36 @@ def test_default_mode_recovers_from_a_collapse_on_the_tiny_config(tmp_path):
   assert entropy.shape == (4,) and np.all(entropy >= 0.95), entropy
 
 
-def test_rate_follows_lr_scales_each_bias_update_by_the_lr_over_its_peak():
-  """`balance.rate_follows_lr`: the factor is 1 through the warm-up, then the AdamW group's
-  lr over `train.lr` (`min_lr_ratio` at the horizon); in the compiled training step the
-  biases move by that factor times the update the controller computes (the run without the
-  option, from the same state), and nothing else changes."""
+def test_rate_lr_power_scales_each_bias_update_by_the_lr_over_its_peak():
+  """`balance.rate_lr_power` p: the factor is 1 through the warm-up, then (the AdamW group's
+  lr over `train.lr`) ** p (`min_lr_ratio` ** p at the horizon); in the compiled training
+  step with p = 1 the biases move by that factor times the update the controller computes
+  (the run without the option, from the same state), and nothing else changes."""
   train_cfg = TrainConfig(num_steps=4, warmup_steps=1, lr=3e-2, batch_size=8, seq_len=16)
-  rate = balance_rate_schedule(train_cfg)
   lr = make_schedule(train_cfg)
-  factors = [float(rate(s)) for s in range(5)]
-  assert factors[0] == 1.0
-  np.testing.assert_allclose(factors[1:], [float(lr(s)) / 3e-2 for s in range(1, 5)], rtol=1e-6)
-  assert 0.5 < factors[1] < 1.0 and factors[4] == pytest.approx(train_cfg.min_lr_ratio)
+  for power in (1.0, 0.5):
+    rate = balance_rate_schedule(train_cfg, power)
+    factors = [float(rate(s)) for s in range(5)]
+    assert factors[0] == 1.0
+    np.testing.assert_allclose(factors[1:], [(float(lr(s)) / 3e-2) ** power for s in range(1, 5)],
+                               rtol=1e-6)
+    assert 0.5 < factors[1] < 1.0
+    assert factors[4] == pytest.approx(train_cfg.min_lr_ratio ** power)
+  factor = float(balance_rate_schedule(train_cfg, 1.0)(1))
   model_cfg = dataclasses.replace(tiny_model_config(), num_experts=8)
   mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
   biases = {}
   with use_mesh(mesh):
-    for follow in (False, True):
-      built = setup_training(model_cfg, train_cfg, mesh, BalanceConfig(rate_follows_lr=follow))
+    for power in (0.0, 1.0):
+      built = setup_training(model_cfg, train_cfg, mesh, BalanceConfig(rate_lr_power=power))
       state = init_train_state(model_cfg, built.tx, train_cfg.seed, mesh)
       seen = [np.asarray(B.get_biases(state.model_state))]
       for batch in mesh_batches()[:2]:
         state, _ = built.step(state, global_batch(batch, built.data_sharding))
         seen.append(np.asarray(B.get_biases(state.model_state)))
-      biases[follow] = seen
-  full, follow = biases[False], biases[True]
+      biases[power] = seen
+  full, follow = biases[0.0], biases[1.0]
   np.testing.assert_array_equal(follow[1], full[1])  # step 0 is in the warm-up: factor 1
   assert np.abs(full[2] - full[1]).max() > 1e-3  # the second update moves the biases
-  np.testing.assert_allclose(follow[2] - follow[1], factors[1] * (full[2] - full[1]),
+  np.testing.assert_allclose(follow[2] - follow[1], factor * (full[2] - full[1]),
                              rtol=0, atol=1e-6)

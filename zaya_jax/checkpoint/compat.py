@@ -174,7 +174,7 @@ def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str 
 _BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("train", "expert_lr_scale", 1.0),
                        ("balance", "quantile_integral", 0.0),
                        ("balance", "quantile_reroute", False),
-                       ("balance", "rate_follows_lr", False))
+                       ("balance", "rate_lr_power", 0.0))
 
 
 def changed_balancing_settings(saved: dict[str, Any], config: RunConfig) -> list[str]:

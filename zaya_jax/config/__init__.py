@@ -216,7 +216,7 @@ class BalanceConfig:
   quantile_step: float = 1.0  # "quantile" "next": fraction of each histogram step taken
   quantile_integral: float = 0.0  # "quantile" "next": gain on the running sum of the solved shifts (removes the lag behind a drifting router; without quantile_reroute 0.15 is the tuned value); 0 = the EMA step alone
   quantile_reroute: bool = True  # "quantile" "next" ("current" ignores it): take the histogram step on this batch re-scored by the router after the optimizer update (no lag behind the router's own step)
-  rate_follows_lr: bool = False  # after warm-up, scale every bias update by lr(step) / train.lr: the balancing slows as the lr decays, as the router it follows does (DeepSeek-V3 stops its bias updates for its last 500B tokens)
+  rate_lr_power: float = 0.0  # after warm-up, scale every bias update by (lr(step) / train.lr) ** this: 0 = the whole update every step, 1 = in step with the lr (the balancing slows as the lr decays; DeepSeek-V3 stops its bias updates for its last 500B tokens)
   bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp
   skip_target: float | None = None  # target fraction of tokens skipping the experts; None/<0 = off
   router_z_loss: float = 0.0  # coefficient of the router z-loss added to the training loss
@@ -240,8 +240,10 @@ class BalanceConfig:
     if isinstance(self.adamw_eps, bool) or not isinstance(
         self.adamw_eps, (int, float)) or not self.adamw_eps > 0:
       raise ConfigError(f"balance.adamw_eps={self.adamw_eps!r} must be > 0 (e.g. 1e-8)")
-    if not isinstance(self.rate_follows_lr, bool):
-      raise ConfigError(f"balance.rate_follows_lr={self.rate_follows_lr!r} must be True or False")
+    if isinstance(self.rate_lr_power, bool) or not isinstance(
+        self.rate_lr_power, (int, float)) or not 0 <= self.rate_lr_power <= 1:
+      raise ConfigError(f"balance.rate_lr_power={self.rate_lr_power!r} must be a number in "
+                        "[0, 1] (0 = the whole bias update every step, 1 = scaled by lr / peak lr)")
     if not isinstance(self.quantile_reroute, bool):
       raise ConfigError(f"balance.quantile_reroute={self.quantile_reroute!r} must be True or False")
     if self.quantile_apply not in ("next", "current"):

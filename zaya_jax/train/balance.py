@@ -243,7 +243,7 @@ def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: Balanc
     routing_biases_LX: the biases the batch was routed with (the model's aux); used by
       "quantile" with `quantile_apply="current"`, where the model solved them.
     rate: float32 [] or None; the update is scaled by it, b <- b + rate * (b_new - b)
-      (`balance.rate_follows_lr`); the controller state moves as computed. None = 1.
+      (`balance.rate_lr_power`); the controller state moves as computed. None = 1.
 
   Raises:
     ValueError: "quantile" mode without `probs_LMX` / `valid_M` (or, with "current",

@@ -103,18 +103,19 @@ def make_schedule(train: TrainConfig, peak: float | None = None) -> optax.Schedu
   return lambda step: shape(step + 1)
 
 
-def balance_rate_schedule(train: TrainConfig) -> optax.Schedule:
-  """The factor on each balancing-bias update with `balance.rate_follows_lr`.
+def balance_rate_schedule(train: TrainConfig, power: float = 1.0) -> optax.Schedule:
+  """The factor on each balancing-bias update with `balance.rate_lr_power` = `power`.
 
   Returns:
     steps done before an update (int, the TrainState's `step`) -> float32 []: 1 for the
     `warmup_steps` updates of the warm-up (the router moves fastest there and the balancing
-    must keep up at full speed), then `make_schedule(train)(step) / train.lr`, the AdamW
-    group's rate over its peak: 1 at the peak, `min_lr_ratio` at the horizon.
+    must keep up at full speed), then `(make_schedule(train)(step) / train.lr) ** power`,
+    the AdamW group's rate over its peak: 1 at the peak, `min_lr_ratio ** power` at the
+    horizon.
   """
   lr = make_schedule(train)
   return lambda step: jnp.where(step < train.warmup_steps, 1.0,
-                                lr(step) / train.lr).astype(jnp.float32)
+                                (lr(step) / train.lr) ** power).astype(jnp.float32)
 
 
 def _schedule_shape(train: TrainConfig, peak: float | None) -> optax.Schedule:

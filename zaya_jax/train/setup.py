@@ -55,7 +55,8 @@ def setup_training(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sha
   step = make_train_step(graphdef, tx, schedule, state_sharding, data_sharding,
                          fault_injection=fault_injection, balance=balance,
                          grad_accum_steps=train_cfg.grad_accum_steps,
-                         balance_rate=(balance_rate_schedule(train_cfg) if balance is not None
-                                       and balance.rate_follows_lr else None))
+                         balance_rate=(balance_rate_schedule(train_cfg, balance.rate_lr_power)
+                                       if balance is not None and balance.rate_lr_power
+                                       else None))
   return TrainSetup(graphdef, params_shape, tx, schedule, abstract_state, state_sharding,
                     data_sharding, step)

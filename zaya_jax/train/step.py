@@ -245,7 +245,7 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       to float summation order, with activation memory for one micro-batch. The controller
       sees the summed routing counts of all micro-batches.
     batch_sharding: the batch's sharding, applied to each micro-batch (None = unconstrained).
-    balance_rate: `balance.rate_follows_lr`'s factor per step
+    balance_rate: `balance.rate_lr_power`'s factor per step
       (`zaya_jax.train.optim.balance_rate_schedule`): each bias update is scaled by it,
       b <- b + rate(step) * (b_new - b); None = 1 (the update as the controller computed it).
 
