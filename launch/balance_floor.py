@@ -62,11 +62,13 @@ def main(argv):
                                          bias_step_L=r["bias_step"])
   except (ConfigError, ValueError) as e:
     sys.exit(f"launch.balance_floor: {str(e).splitlines()[0]}")
+  scaled = (f" (x {r['rate']:.3g}: balance.rate_lr_power={cfg.balance.rate_lr_power:g} at step "
+            f"{step})" if cfg.balance.rate_lr_power else "")
   print(f"{ckpt_dir}/{step}, {_BATCHES.value} training batches: median worst-layer max/mean "
         f"per step: oracle (exact solve of the previous batch) {r['median_oracle']:.3f} | "
         f"histogram rule {r['median_histogram']:.3f} | stored biases {r['median_stored']:.3f}; "
-        f"the rule's update moves {100 * r['median_churn']:.2f}% of a batch's (token, layer) "
-        "routings to another class (median)")
+        f"the rule's update{scaled} moves {100 * r['median_churn']:.2f}% of a batch's (token, "
+        "layer) routings to another class (median)")
   if "window_oracle" not in r:
     print(f"no windowed figures: --batches={_BATCHES.value} gives {_BATCHES.value - 1} steps, "
           f"fewer than --window={_WINDOW.value}")

@@ -121,6 +121,14 @@ def test_fixed_bias_floor_equals_evaluate_and_solves_its_fit_set(trained):
   assert all(x > 0 for x in per_step["bias_step"]), per_step["bias_step"]  # the rule moved them
   with pytest.raises(ValueError, match="fit_batches=0"):
     fixed_bias_floor(cfg, ckpt_dir, step, fit_batches=0, test_batches=1, eval_batches=1)
+  # With balance.rate_lr_power=1 the rule's updates are scaled as the training step's at the
+  # checkpoint's step (the end of the schedule: min_lr_ratio 0.1).
+  slow = dataclasses.replace(cfg, balance=dataclasses.replace(cfg.balance, rate_lr_power=1.0))
+  scaled = balance_floor(slow, ckpt_dir, step, num_batches=3, start_batch=STEPS + 2, window=1)
+  assert per_step["rate"] == 1.0 and scaled["rate"] == pytest.approx(cfg.train.min_lr_ratio)
+  assert scaled["oracle"] == per_step["oracle"] and scaled["stored"] == per_step["stored"]
+  assert all(s < 0.5 * f for s, f in zip(scaled["bias_step"], per_step["bias_step"])), (
+      scaled["bias_step"], per_step["bias_step"])
 
 
 def test_routing_margins_by_hand():

@@ -11,8 +11,9 @@ max/mean expert load of batch s under
   oracle    the exact solve of batch s-1 (the floor: no causal rule does better per step on
             average with the model fixed),
   histogram the "quantile" rule of the run's config (`quantile_step`: the histogram step,
-            `balance.quantile_ema`, `quantile_integral` from a zero state) run over the same
-            frozen batches from the stored biases,
+            `balance.quantile_ema`, `quantile_integral` from a zero state; each update
+            scaled by `balance.rate_lr_power`'s factor at the checkpoint's step) run over
+            the same frozen batches from the stored biases,
   stored    the checkpoint's stored biases (what evaluation and generation use),
 
 and their medians. Nothing trains; the model is the checkpoint's.
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zaya_jax.checkpoint import restore_model_state
+from zaya_jax.checkpoint import open_manager, restore_model_state
 from zaya_jax.config import RunConfig
 from zaya_jax.data import make_eval_batches, make_train_iterator
 from zaya_jax.model.quantile import quantile_biases, route_counts
@@ -50,6 +51,7 @@ from zaya_jax.parallel.context import in_context_order
 from zaya_jax.parallel.mesh import abstract_with_shardings, make_mesh, use_mesh
 from zaya_jax.perf.balance_report import windowed
 from zaya_jax.train.balance import get_biases, init_balance_state, load_stats, quantile_step
+from zaya_jax.train.optim import balance_rate_schedule
 from zaya_jax.train.setup import setup_training
 
 
@@ -180,7 +182,9 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
     lowest-layer H/ln E of the same blocks);
     "churn" [S] and "median_churn": per batch, the fraction of its (token, layer) pairs that
     the histogram rule's update after it moves to another class, the model fixed;
-    "bias_step": [L], per layer the median |change| of an expert's bias in those updates}.
+    "bias_step": [L], per layer the median |change| of an expert's bias in those updates,
+    "rate": the factor on each of those updates (`balance.rate_lr_power`'s at the
+    checkpoint's step; 1 without it)}.
   """
   if num_batches < 2:
     raise ValueError(f"num_batches={num_batches} must be >= 2")
@@ -188,8 +192,21 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
     stored_LX, probs_of = _frozen_router(cfg, ckpt_dir, step)
 
     exact = jax.jit(quantile_biases, static_argnums=(3, 4))
-    # The config's quantile update (EMA step and integral), as the training step applies it.
-    rule = jax.jit(lambda b, st, p, v: quantile_step(cfg.balance, b, st, p, v))
+    # The config's quantile update (EMA step and integral), as the training step applies it,
+    # scaled as at the checkpoint's step with `balance.rate_lr_power`.
+    rate = 1.0
+    if cfg.balance.rate_lr_power:
+      if step is None:
+        manager = open_manager(ckpt_dir, read_only=True)
+        step = manager.latest_step()
+        manager.close()
+      rate = float(balance_rate_schedule(cfg.train, cfg.balance.rate_lr_power)(step))
+
+    def rule_step(b, st, p, v):
+      new, st = quantile_step(cfg.balance, b, st, p, v)
+      return b + rate * (new - b), st
+
+    rule = jax.jit(rule_step)
     controller = init_balance_state(*stored_LX.shape)
     counts = jax.jit(route_counts)
     it = make_train_iterator(cfg.data, seq_len=cfg.train.seq_len,
@@ -222,7 +239,7 @@ def balance_floor(cfg: RunConfig, ckpt_dir: str, step: int | None, num_batches: 
       windows[f"window_{name}"], windows[f"window_entropy_{name}"] = windowed(
           np.stack(per_step), window)
   return {**out, **{f"median_{k}": statistics.median(v) for k, v in out.items()}, **windows,
-          "churn": churn, "median_churn": statistics.median(churn),
+          "churn": churn, "median_churn": statistics.median(churn), "rate": rate,
           "bias_step": [float(x) for x in jnp.median(steps_LN, axis=-1)]}
 
 
