@@ -51,7 +51,9 @@ For "pid", because the bias accumulates the increments, `kp` acts as the integra
 classic PID on the bias, `kd` as its proportional gain and `ki` as a second integrator. The
 skip class, in every mode: its bias stays at its initial value (-1: the skip class then
 practically never wins) unless `skip_target` is set, in which case the same rule drives the
-skip share to that target. A skipped (non-finite) step, or `balance.enabled=False`, changes
+skip share to that target. With `balance.rate_lr_power` p > 0 every rule's update is scaled
+after the warm-up, b <- b + (lr(step) / train.lr)^p (b_new - b) (`update_model_state`'s
+`rate`, from `zaya_jax.train.optim.balance_rate_schedule`). A skipped (non-finite) step, or `balance.enabled=False`, changes
 neither biases nor controller state. Bias units are probability units (added to softmax
 probabilities), so exports keep HF's `argmax(p + b)` layout.
 
