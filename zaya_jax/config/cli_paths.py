@@ -225,8 +225,8 @@ def _example(values: flags.FlagValues | None, name: str, fallback: str) -> str:
 
 
 def _first_field(values: flags.FlagValues | None, name: str) -> str:
-  """The first field of the config group `name` (`config.train`: "seed"), read from the
-  parsed config in `values`; "FIELD" when it cannot be read."""
+  """The first field of the config group `name` in the group's key order (`config.train`:
+  "b1"), read from the parsed config in `values`; "FIELD" when it cannot be read."""
   root, *path = name.split(".")
   try:
     group = values[root].value
@@ -247,7 +247,7 @@ def flag_error(error: Exception, values: flags.FlagValues | None = None) -> str:
       e.g. --window=16`, `--mode=c: the value must be one of a, bb, e.g. --mode=a`;
     a flag left without its value: `--window needs a value, e.g. --window=16`;
     a value for a whole config group: `--config.train=5: --config.train is a group of
-      settings, not one value; set its fields, e.g. --config.train.seed=...`;
+      settings, not one value; set its fields, e.g. --config.train.b1=...`;
     a required flag left out: `--workdir is required, e.g. --workdir=...`;
     a --flagfile that cannot be read: `--flagfile: cannot read it: [Errno 2] ...`;
     a registered validator's "must ..." message: `--min_size=0: the value must be >= 1, e.g.
