@@ -103,7 +103,7 @@ def make_schedule(train: TrainConfig, peak: float | None = None) -> optax.Schedu
   return lambda step: shape(step + 1)
 
 
-def balance_rate_schedule(train: TrainConfig, power: float = 1.0) -> optax.Schedule:
+def balance_rate_schedule(train: TrainConfig, power: float) -> optax.Schedule:
   """The factor on each balancing-bias update with `balance.rate_lr_power` = `power`.
 
   Returns:
