@@ -188,6 +188,7 @@ def get_config() -> ml_collections.ConfigDict:
   b.quantile_reroute = True  # "quantile" "next": re-score this step's router inputs with the router after the optimizer update before the histogram step (the biases then do not lag the router's own step; the router MLP over [L, B*T, D] stored inputs, no extra collective)
   b.rate_lr_power = 0.0  # every rule: after warm-up, scale each bias update by (lr(step) / train.lr) ** this; 0 = the whole update every step (README "Load balancing")
   b.quantile_sweeps = 64  # "quantile" with "current": most coordinate sweeps of the exact solve (it stops once every class is within 1 token)
+  b.exclude_layers = ()  # layer indices whose biases no rule moves (their routing is free, as with balancing off); a diagnostic, e.g. (0,)
   b.bias_clamp = 0.0  # controlled biases stay in [-this, this]; 0 = no clamp
   # Target fraction of tokens routed to the skip class; None (or < 0) = off: the skip bias
   # keeps its initial value (-1, so the skip class practically never wins).

@@ -306,3 +306,9 @@ def test_changed_balancing_settings_are_named():
   saved = {"train": {"router_lr_scale": 0.1}, "balance": {"quantile_integral": 0.15}}
   assert changed_balancing_settings(saved, cfg) == [
       "balance.quantile_integral 0.15 -> 0.0", "balance.quantile_reroute False -> True"]
+  # balance.exclude_layers: JSON keeps the saved tuple as a list, which is no change
+  excl = types.SimpleNamespace(train=TrainConfig(), balance=BalanceConfig(exclude_layers=(0,)))
+  saved = {"train": {"router_lr_scale": 0.1},
+           "balance": {"quantile_reroute": True, "exclude_layers": [0]}}
+  assert changed_balancing_settings(saved, excl) == []
+  assert changed_balancing_settings(saved, cfg) == ["balance.exclude_layers (0,) -> ()"]

@@ -488,3 +488,45 @@ def test_rate_lr_power_scales_each_bias_update_by_the_lr_over_its_peak():
   assert np.abs(full[2] - full[1]).max() > 1e-3  # the second update moves the biases
   np.testing.assert_allclose(follow[2] - follow[1], factor * (full[2] - full[1]),
                              rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["quantile", "pid"])
+def test_exclude_layers_keep_their_biases_and_the_others_move_as_without(mode):
+  """`balance.exclude_layers`: the named layers' biases stay where they are (their routing
+  is free, as with balancing off); every other layer's update is bit-identical to the
+  update without the option."""
+  from flax import nnx
+  from zaya_jax.model.transformer import create_model
+  cfg = dataclasses.replace(tiny_model_config(), num_experts=E)
+  _, _, rest = nnx.split(create_model(cfg, seed=0), nnx.Param, ...)
+  n_layers, m = cfg.num_layers, 256
+  assert n_layers >= 2
+  logits = jax.random.normal(jax.random.key(1), (n_layers, m, X)) + jnp.zeros((X,)).at[0].set(2.0)
+  probs_LMX = jax.nn.softmax(logits, -1)
+  counts_LX = jax.nn.one_hot(jnp.argmax(probs_LMX, -1), X).sum(1)
+  valid_M = jnp.ones((m,), bool)
+  state = B.init_balance_state(n_layers, X)
+  before = B.get_biases(rest)
+
+  def update(exclude):
+    bal = BalanceConfig(mode=mode, exclude_layers=exclude)
+    new, _ = B.update_model_state(bal, rest, state, counts_LX, True, probs_LMX, valid_M)
+    return np.asarray(B.get_biases(new))
+
+  free, excluded = update(()), update((0,))
+  assert np.abs(free[0] - np.asarray(before[0])).max() > 1e-3  # the rule moves layer 0 ...
+  np.testing.assert_array_equal(excluded[0], np.asarray(before[0]))  # ... unless excluded
+  np.testing.assert_array_equal(excluded[1:], free[1:])
+
+
+def test_exclude_layers_config_errors_name_the_field():
+  assert BalanceConfig(exclude_layers=[2, 0]).exclude_layers == (2, 0)  # JSON's list
+  for bad in ((0, 0), (-1,), (0.5,), (True,), 3):
+    with pytest.raises(ConfigError, match=r"balance.exclude_layers=.* must be a tuple of distinct"):
+      BalanceConfig(exclude_layers=bad)
+  from zaya_jax.config import resolve
+  config = zaya1_tiny.get_config()
+  config.balance.exclude_layers = (4,)
+  with pytest.raises(ConfigError, match=r"balance.exclude_layers=\(4,\) names a layer the model "
+                     r"lacks; model.num_layers=4, so use indices 0..3"):
+    resolve(config)

@@ -174,7 +174,8 @@ def balance_state_reset_reason(saved: dict[str, Any], config: RunConfig) -> str 
 _BALANCING_SETTINGS = (("train", "router_lr_scale", 1.0), ("train", "expert_lr_scale", 1.0),
                        ("balance", "quantile_integral", 0.0),
                        ("balance", "quantile_reroute", False),
-                       ("balance", "rate_lr_power", 0.0))
+                       ("balance", "rate_lr_power", 0.0),
+                       ("balance", "exclude_layers", ()))
 
 
 def changed_balancing_settings(saved: dict[str, Any], config: RunConfig) -> list[str]:
@@ -185,6 +186,7 @@ def changed_balancing_settings(saved: dict[str, Any], config: RunConfig) -> list
   out = []
   for group, field, before in _BALANCING_SETTINGS:
     old = saved.get(group, {}).get(field, before)
+    old = tuple(old) if isinstance(old, list) else old  # JSON keeps tuples as lists
     new = getattr(getattr(config, group), field)
     if old != new:
       out.append(f"{group}.{field} {old!r} -> {new!r}")

@@ -217,12 +217,20 @@ class BalanceConfig:
   quantile_integral: float = 0.0  # "quantile" "next": gain on the running sum of the solved shifts (removes the lag behind a drifting router; without quantile_reroute 0.15 is the tuned value); 0 = the EMA step alone
   quantile_reroute: bool = True  # "quantile" "next" ("current" ignores it): take the histogram step on this batch re-scored by the router after the optimizer update (no lag behind the router's own step)
   rate_lr_power: float = 0.0  # after warm-up, scale every bias update by (lr(step) / train.lr) ** this: 0 = the whole update every step, 1 = in step with the lr (the balancing slows as the lr decays; DeepSeek-V3 stops its bias updates for its last 500B tokens)
+  exclude_layers: tuple[int, ...] = ()  # layer indices whose biases no rule moves: their routing is free, as with balancing off (a diagnostic: README "Load balancing")
   bias_clamp: float = 0.0  # |controlled bias| <= this after each update; 0 = no clamp
   skip_target: float | None = None  # target fraction of tokens skipping the experts; None/<0 = off
   router_z_loss: float = 0.0  # coefficient of the router z-loss added to the training loss
   load_balance_loss: float = 0.0  # coefficient of the switch-style balance loss added to the loss
 
   def __post_init__(self):
+    if isinstance(self.exclude_layers, (list, tuple)):  # ConfigDict/JSON may hand back a list
+      object.__setattr__(self, "exclude_layers", tuple(self.exclude_layers))
+    if (not isinstance(self.exclude_layers, tuple)
+        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.exclude_layers)
+        or len(set(self.exclude_layers)) != len(self.exclude_layers)):
+      raise ConfigError(f"balance.exclude_layers={self.exclude_layers!r} must be a tuple of "
+                        "distinct layer indices >= 0, e.g. (0,); () = every layer balanced")
     if not isinstance(self.enabled, bool):
       raise ConfigError(f"balance.enabled={self.enabled!r} must be True or False")
     if self.mode not in BALANCE_MODES:
@@ -327,6 +335,10 @@ def resolve(config: ml_collections.ConfigDict, *, process_count: int = 1) -> Run
     check_context(mesh.context, train.seq_len, max(model.context_halo), model.attention_impl)
   except ValueError as e:
     raise ConfigError(str(e)) from e
+  if any(i >= model.num_layers for i in balance.exclude_layers):
+    raise ConfigError(f"balance.exclude_layers={balance.exclude_layers} names a layer the model "
+                      f"lacks; model.num_layers={model.num_layers}, so use indices "
+                      f"0..{model.num_layers - 1}")
   _check_tokenizer(model, data)
   return RunConfig(model=model, data=data, train=train, checkpoint=checkpoint, mesh=mesh,
                    balance=balance)

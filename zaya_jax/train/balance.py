@@ -246,6 +246,8 @@ def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: Balanc
       "quantile" with `quantile_apply="current"`, where the model solved them.
     rate: float32 [] or None; the update is scaled by it, b <- b + rate * (b_new - b)
       (`balance.rate_lr_power`); the controller state moves as computed. None = 1.
+      The layers of `balance.exclude_layers` keep their biases (their state moves as
+      computed and is never applied).
 
   Raises:
     ValueError: "quantile" mode without `probs_LMX` / `valid_M` (or, with "current",
@@ -261,6 +263,9 @@ def update_model_state(cfg: BalanceConfig, model_state: nnx.State, state: Balanc
     new_LX, new_state = controller_step(cfg, biases_LX, state, counts_LX, apply)
   if rate is not None:
     new_LX = biases_LX + rate * (new_LX - biases_LX)
+  if cfg.exclude_layers:
+    kept_L = jnp.isin(jnp.arange(biases_LX.shape[0]), jnp.asarray(cfg.exclude_layers))
+    new_LX = jnp.where(kept_L[:, None], biases_LX, new_LX)
   return set_biases(model_state, new_LX), new_state
 
 
