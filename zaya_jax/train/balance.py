@@ -53,7 +53,8 @@ skip class, in every mode: its bias stays at its initial value (-1: the skip cla
 practically never wins) unless `skip_target` is set, in which case the same rule drives the
 skip share to that target. With `balance.rate_lr_power` p > 0 every rule's update is scaled
 after the warm-up, b <- b + (lr(step) / train.lr)^p (b_new - b) (`update_model_state`'s
-`rate`, from `zaya_jax.train.optim.balance_rate_schedule`). A skipped (non-finite) step, or
+`rate`, from `zaya_jax.train.optim.balance_rate_schedule`). The layers named in
+`balance.exclude_layers` keep their biases whatever the rule computes (a diagnostic). A skipped (non-finite) step, or
 `balance.enabled=False`, changes neither biases nor controller state. Bias units are probability units (added to softmax
 probabilities), so exports keep HF's `argmax(p + b)` layout.
 
