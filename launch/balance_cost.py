@@ -7,7 +7,9 @@
 
 The step is compiled from abstract inputs (nothing is allocated), so ZAYA1-base compiles on
 fake CPU devices; batch size and sequence length default to the config's train.batch_size and
-train.seq_len. Ops inside loops are counted times their trip counts. Logic:
+train.seq_len. Each variant is the config's balance group with the variant's mode, so
+`--config.balance.*` settings hold in every variant. Ops inside loops are counted times their
+trip counts. Logic:
 `zaya_jax.perf.balance_cost`.
 """
 
@@ -40,9 +42,11 @@ def main(argv):
     for v in _VARIANTS.value:
       benchmark.parse_balance_variant(v, "--variants")  # before the config's minutes of compiling
     cfgs = benchmark.bench_configs(_CONFIG.value)
+    for v in _VARIANTS.value:  # each variant is the config's balance group with its mode
+      benchmark.parse_balance_variant(v, "--variants", cfgs.balance)
     r = balance_cost.balance_collectives(
         cfgs.model, cfgs.train, cfgs.mesh, _VARIANTS.value, batch_size=cfgs.train.batch_size,
-        seq_len=cfgs.train.seq_len, log=lambda line: print(line, flush=True))
+        seq_len=cfgs.train.seq_len, balance=cfgs.balance, log=lambda line: print(line, flush=True))
   except (ConfigError, ValueError) as e:
     sys.exit(f"invalid arguments: {e}")
   print(balance_cost.format_table(r, cfgs.model.num_layers))

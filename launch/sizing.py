@@ -135,7 +135,7 @@ def _predict(model_cfg, train_cfg, balance, profile) -> None:
     default = ["none"] + ([balance_variant_name(balance)] if balance.enabled else [])
     variants = _VARIANTS.value or default
     for v in variants:
-      parse_balance_variant(v, "--balance_variants")
+      parse_balance_variant(v, "--balance_variants", balance)
   except ValueError as e:
     sys.exit(f"invalid arguments: {e}")
   use_cpu_devices(compile_mesh.data * compile_mesh.fsdp * compile_mesh.expert)
@@ -143,7 +143,7 @@ def _predict(model_cfg, train_cfg, balance, profile) -> None:
   result = predict.predict_step(model_cfg, train_cfg, profile, net, compile_mesh=compile_mesh,
                                 target_mesh=target, target_devices=_NUM_DEVICES.value,
                                 seqs_per_device=_SEQS.value, seq_len=seq, variants=variants,
-                                hlo_dir=_HLO_DIR.value)
+                                hlo_dir=_HLO_DIR.value, balance=balance)
   print(predict.format_prediction(
       result, title=f"{model_cfg.num_layers} layers, {model_cfg.dtype}, dispatch "
                     f"{model_cfg.moe_dispatch}, seq {seq}"))

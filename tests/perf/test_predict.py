@@ -160,6 +160,28 @@ def test_balance_variant_name_parses_back_to_the_config_balancing():
       assert back.quantile_reroute == cfg.quantile_reroute
 
 
+def test_balance_variants_keep_the_config_balance_settings():
+  """Every variant of `launch.balance_cost`, `launch.benchmark --compare_balance` and
+  `launch.sizing --predict_step` is the run config's balance group with the variant's mode:
+  a `--config.balance.*` override holds in each (it was silently dropped before 2026-12-08)."""
+  import dataclasses
+  from zaya_jax.config import BalanceConfig
+  base = BalanceConfig(rate_lr_power=0.5, quantile_ema=0.25, adamw_lr=0.03, exclude_layers=(0,))
+  kept = ("rate_lr_power", "quantile_ema", "adamw_lr", "exclude_layers")
+  for name, (enabled, mode, apply, reroute) in {
+      "none": (False, "quantile", "next", True), "adamw": (True, "adamw", "next", True),
+      "quantile:next": (True, "quantile", "next", False),
+      "quantile:reroute": (True, "quantile", "next", True),
+      "quantile:current": (True, "quantile", "current", True)}.items():
+    v = parse_balance_variant(name, "variants", base)
+    assert (v.enabled, v.mode, v.quantile_apply, v.quantile_reroute) == (enabled, mode, apply,
+                                                                         reroute), name
+    assert all(getattr(v, f) == getattr(base, f) for f in kept), name
+    assert v == dataclasses.replace(base, enabled=enabled, mode=mode, quantile_apply=apply,
+                                    quantile_reroute=reroute)
+  assert parse_balance_variant("adamw").adamw_lr == BalanceConfig().adamw_lr  # no base: defaults
+
+
 def test_predict_step_refuses_an_unknown_variant_before_compiling(monkeypatch):
   """Every variant is parsed before the first compile, and the error names the argument
   (`variants`): a bad last variant is found at once, not after compiling the others."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
-from zaya_jax.config import TrainConfig
+from zaya_jax.config import BalanceConfig, TrainConfig
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.mesh import MeshConfig, make_mesh, use_mesh
 from zaya_jax.perf import hlo
@@ -41,6 +41,7 @@ def count_collectives(module: hlo.HloModule) -> dict[str, Any]:
 
 def balance_collectives(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg: MeshConfig,
                         variants: list[str], *, batch_size: int, seq_len: int,
+                        balance: BalanceConfig | None = None,
                         log: Callable[[str], None] = print) -> dict[str, Any]:
   """Collectives per training step of each balancing variant on `mesh_cfg` (module doc).
 
@@ -49,6 +50,8 @@ def balance_collectives(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg
     mesh_cfg: the mesh (its device count must be available, e.g. fake CPU devices).
     variants: balancing variants; "none" is added first if missing (the reference).
     batch_size, seq_len: the global batch compiled (counts do not depend on it; bytes do).
+    balance: the run config's balance group, the base of every variant
+      (`parse_balance_variant`); None = the defaults.
 
   Returns:
     `{"mesh": {axis: size}, "variants": [...], "result": {variant: count_collectives(...) +
@@ -58,7 +61,8 @@ def balance_collectives(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh_cfg
     ValueError: an unknown variant or a mesh that does not divide the config.
   """
   variants = ["none"] + [v for v in variants if v != "none"]
-  balances = {v: parse_balance_variant(v, "variants") for v in variants}  # all before compiling
+  balances = {v: parse_balance_variant(v, "variants", balance)  # all before compiling
+              for v in variants}
   mesh = make_mesh(mesh_cfg)
   result: dict[str, Any] = {}
   with use_mesh(mesh):

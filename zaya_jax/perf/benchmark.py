@@ -251,16 +251,20 @@ def balance_variant_name(cfg: BalanceConfig) -> str:
                         else cfg.quantile_apply)
 
 
-def parse_balance_variant(text: str, flag: str = "--compare_balance") -> BalanceConfig:
+def parse_balance_variant(text: str, flag: str = "--compare_balance",
+                          base: BalanceConfig | None = None) -> BalanceConfig:
   """`"none"`, a `balance.mode`, or `"quantile:next"` / `"quantile:reroute"` (next, with
-  `quantile_reroute`) / `"quantile:current"` -> BalanceConfig (other fields: the defaults).
+  `quantile_reroute`) / `"quantile:current"` -> BalanceConfig: `base` (the run config's
+  balance group, so its `--config.balance.*` settings hold in every variant; None = the
+  defaults) with `enabled`, `mode` and the named quantile fields replaced.
 
   Raises:
     ValueError: an unknown variant, naming `flag` (the command-line flag that gave it) and the
       accepted variants.
   """
+  base = BalanceConfig() if base is None else base
   if text == "none":
-    return BalanceConfig(enabled=False)
+    return dataclasses.replace(base, enabled=False)
   mode, _, apply = text.partition(":")
   kw = {"quantile_apply": apply} if apply else {}
   if apply == "reroute":
@@ -268,7 +272,7 @@ def parse_balance_variant(text: str, flag: str = "--compare_balance") -> Balance
   elif apply == "next":
     kw["quantile_reroute"] = False
   try:
-    return BalanceConfig(mode=mode, **kw)
+    return dataclasses.replace(base, enabled=True, mode=mode, **kw)
   except ValueError as e:
     raise ValueError(f"{flag} entry {text!r}: {e} (e.g. none, pid, sign, adamw, "
                      "quantile:current, quantile:next, quantile:reroute)") from e
@@ -289,7 +293,7 @@ def compare_balance(cfgs: BenchConfigs, variants: list[str], *, steps: int, warm
   Raises:
     ValueError: an unknown variant, or a mesh that does not divide the config.
   """
-  balances = {v: parse_balance_variant(v) for v in variants}
+  balances = {v: parse_balance_variant(v, base=cfgs.balance) for v in variants}
   batch_size, seq_len = cfgs.train.batch_size, cfgs.train.seq_len
   mesh = make_mesh(cfgs.mesh)
   check_divisibility(mesh, num_experts=cfgs.model.num_experts,

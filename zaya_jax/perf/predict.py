@@ -45,7 +45,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zaya_jax.config import TrainConfig
+from zaya_jax.config import BalanceConfig, TrainConfig
 from zaya_jax.config.mesh import CONTEXT, MESH_AXES, MeshConfig
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.parallel.accelerators import AcceleratorProfile
@@ -338,7 +338,7 @@ def _compiled_text(model_cfg, train_cfg, mesh, batch, seq_len, balance, hlo_dir,
 def predict_step(model_cfg: ModelConfig, train_cfg: TrainConfig, profile: AcceleratorProfile,
                  net: Network, *, compile_mesh: MeshConfig, target_mesh: MeshConfig,
                  target_devices: int, seqs_per_device: int, seq_len: int, variants: list[str],
-                 hlo_dir: str | None = None,
+                 hlo_dir: str | None = None, balance: BalanceConfig | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
   """Compiles the step once per balancing variant on `compile_mesh` and predicts it on the
   target (module docstring).
@@ -350,7 +350,8 @@ def predict_step(model_cfg: ModelConfig, train_cfg: TrainConfig, profile: Accele
     compile_mesh: a mesh of the local (fake CPU) devices, sizes per axis.
     target_mesh, target_devices: the cluster's mesh and device count.
     seqs_per_device: sequences per device per step (both meshes), seq_len: tokens each.
-    variants: balancing variants (`parse_balance_variant`: "none", "quantile:next", ...).
+    variants: balancing variants (`parse_balance_variant`: "none", "quantile:next", ...),
+      built on `balance` (the run config's balance group; None = the defaults).
     hlo_dir: a folder caching each compiled module's text under a hash of everything
       compiled (configs, mesh, batch); None = always compile.
 
@@ -380,7 +381,8 @@ def predict_step(model_cfg: ModelConfig, train_cfg: TrainConfig, profile: Accele
                             "compute_s": est.compute_seconds, "flops_per_token": est.flops_per_token,
                             "tokens_per_device": tokens, "peak_flops": peak, "warnings": warnings,
                             "network": net.source, "profile": profile.name}
-  balances = {v: parse_balance_variant(v, "variants") for v in variants}  # all before compiling
+  balances = {v: parse_balance_variant(v, "variants", balance)  # all before compiling
+              for v in variants}
   with use_mesh(mesh):
     for v in variants:
       balance = balances[v]
