@@ -42,8 +42,6 @@ def main(argv):
     for v in _VARIANTS.value:
       benchmark.parse_balance_variant(v, "--variants")  # before the config's minutes of compiling
     cfgs = benchmark.bench_configs(_CONFIG.value)
-    for v in _VARIANTS.value:  # each variant is the config's balance group with its mode
-      benchmark.parse_balance_variant(v, "--variants", cfgs.balance)
     r = balance_cost.balance_collectives(
         cfgs.model, cfgs.train, cfgs.mesh, _VARIANTS.value, batch_size=cfgs.train.batch_size,
         seq_len=cfgs.train.seq_len, balance=cfgs.balance, log=lambda line: print(line, flush=True))
